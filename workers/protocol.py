@@ -1,0 +1,245 @@
+"""The only contract between the router and the workers.
+
+Every message that crosses a process boundary (ingress <-> replica, prefill <-> decode) is one of
+these dataclasses. They travel as plain JSON-compatible dicts through one codec (`encode` /
+`decode`), never as pickled user objects, so a replica can be upgraded independently of the
+ingress and a malformed message fails loudly at the boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class InvalidRequest(ValueError):
+    """A request parameter is invalid. `param` names the offending field (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters, named as SGLang names them."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    n: int = 1
+    logprobs: bool = False  # return the sampled token's logprob
+    top_logprobs: int = 0  # and this many alternatives per position
+    skip_special_tokens: bool = True
+    # Constrained decoding: at most one of these.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+
+    MAX_TOP_LOGPROBS = 20
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
+        """Build from a user dict (SGLang's keys); unknown keys are an error, not silently dropped."""
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0])
+        if isinstance(d.get("stop"), str):
+            d["stop"] = (d["stop"],)
+        for key in ("stop", "stop_token_ids"):
+            if d.get(key) is None:
+                d.pop(key, None)
+            elif not isinstance(d[key], (list, tuple)):
+                raise InvalidRequest(f"'{key}' must be a list", key)
+            else:
+                d[key] = tuple(d[key])
+        if d.get("logit_bias") is not None:
+            try:
+                d["logit_bias"] = {int(k): float(v) for k, v in dict(d["logit_bias"]).items()}
+            except (TypeError, ValueError):
+                raise InvalidRequest("'logit_bias' must map token ids to numbers", "logit_bias")
+        params = cls(**d)
+        params.validate()
+        return params
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        def bad(msg: str, param: str) -> None:
+            raise InvalidRequest(msg, param)
+
+        def number(name: str, value: Any, integer: bool = False) -> None:
+            ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+            if not ok or isinstance(value, bool) or (not integer and not math.isfinite(value)):
+                bad(f"'{name}' must be {'an integer' if integer else 'a finite number'}", name)
+
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs"):
+            number(name, getattr(self, name), integer=True)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            number(name, getattr(self, name))
+        if self.max_new_tokens < 0:
+            bad("'max_new_tokens' must be >= 0", "max_new_tokens")
+        if not 0 <= self.min_new_tokens:
+            bad("'min_new_tokens' must be >= 0", "min_new_tokens")
+        if self.temperature < 0:
+            bad("'temperature' must be >= 0", "temperature")
+        if not 0 < self.top_p <= 1:
+            bad("'top_p' must be in (0, 1]", "top_p")
+        if self.top_k == 0 or self.top_k < -1:
+            bad("'top_k' must be -1 (disabled) or >= 1", "top_k")
+        if not 0 <= self.min_p <= 1:
+            bad("'min_p' must be in [0, 1]", "min_p")
+        if self.repetition_penalty <= 0:
+            bad("'repetition_penalty' must be > 0", "repetition_penalty")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("'frequency_penalty' must be in [-2, 2]", "frequency_penalty")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("'presence_penalty' must be in [-2, 2]", "presence_penalty")
+        if not 1 <= self.n <= 128:
+            bad("'n' must be in [1, 128]", "n")
+        if not 0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS:
+            bad(f"'top_logprobs' must be in [0, {self.MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("'seed' must be an integer", "seed")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("'stop' must be non-empty strings", "stop")
+        if len(self.stop) > 16:
+            bad("at most 16 stop strings are allowed", "stop")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad(f"invalid stop token id {t!r}", "stop_token_ids")
+        if self.logit_bias:
+            for t, v in self.logit_bias.items():
+                if t < 0 or (vocab_size is not None and t >= vocab_size):
+                    bad(f"logit_bias token id {t} is out of range", "logit_bias")
+                if not -100 <= v <= 100:
+                    bad("logit_bias values must be in [-100, 100]", "logit_bias")
+        grammars = [g for g in ("json_schema", "regex", "ebnf") if getattr(self, g) is not None]
+        if len(grammars) > 1:
+            bad(f"only one of json_schema, regex, ebnf may be given (got {', '.join(grammars)})",
+                grammars[1])
+        for g in grammars:
+            if not isinstance(getattr(self, g), str):
+                bad(f"'{g}' must be a string", g)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def grammar(self) -> Optional[tuple[str, str]]:
+        """(kind, text) of the constraint, or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request as the router hands it to a replica (tokenized already)."""
+
+    input_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    namespace: Optional[str] = None  # cache isolation key (tenant salt; LoRA id later)
+    stream: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"input_ids": list(self.input_ids), "sampling_params": self.sampling_params.to_dict(),
+                "rid": self.rid, "namespace": self.namespace, "stream": self.stream}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GenerateRequest":
+        return cls(input_ids=list(d["input_ids"]),
+                   sampling_params=SamplingParams.from_dict(d.get("sampling_params")),
+                   rid=d["rid"], namespace=d.get("namespace"), stream=bool(d.get("stream")))
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class OutputChunk:
+    """A piece of one output sequence. `index` is the sequence number within the request (n > 1).
+
+    Streaming chunks carry only what is new since the previous chunk; the final chunk has
+    `finished=True`, the finish reason and the usage counters.
+    """
+
+    rid: str
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: Optional[list[TokenLogprob]] = None
+    finished: bool = False
+    # {"type": "stop" | "length" | "abort", "matched": str | int | None, "message": str?}
+    finish_reason: Optional[dict[str, Any]] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    e2e_latency: Optional[float] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if self.logprobs is not None:
+            d["logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.logprobs]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OutputChunk":
+        d = dict(d)
+        if d.get("logprobs") is not None:
+            d["logprobs"] = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in d["logprobs"]]
+        return cls(**d)
+
+
+@dataclass
+class ReplicaStats:
+    """A replica's load and cache state, as `/get_server_info` and the router see it."""
+
+    replica_id: str = ""
+    running: int = 0
+    queued: int = 0
+    kv_total: int = 0
+    kv_free: int = 0
+    kv_evictable: int = 0
+    kv_protected: int = 0
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    computed_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_requests_total: int = 0
+    num_aborted_total: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ReplicaStats":
+        return cls(**d)
