@@ -243,3 +243,7 @@ class ReplicaStats:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ReplicaStats":
         return cls(**d)
+
+
+class QueueFull(RuntimeError):
+    """The replica's waiting queue is at `max_queued_requests`: the HTTP layer answers 503."""

@@ -1,0 +1,61 @@
+"""Engine configuration: frozen, validated once; derived values are computed, never written back."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: Optional[str] = None  # None = the embedded default model
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"  # auto = bf16 where the CPU/GPU supports it, else fp32
+    device: str = "auto"
+    context_length: Optional[int] = None  # default: the model's
+    mem_fraction_static: Optional[float] = None  # share of memory for weights + KV pool
+    max_total_tokens: Optional[int] = None  # KV pool size in tokens (wins over mem_fraction_static)
+    page_size: int = 1
+    max_running_requests: int = 64
+    max_queued_requests: Optional[int] = None  # None = unbounded
+    max_prefill_tokens: int = 8192  # token budget of one prefill batch
+    chunked_prefill_size: int = 2048  # -1 or 0 disables chunking
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    enable_overlap: Optional[bool] = None  # None = on where it measures faster
+    attention_backend: str = "auto"
+    random_seed: int = 0
+    num_threads: Optional[int] = None  # torch intra-op threads; None = all cores
+    grammar_compile_timeout_s: float = 10.0
+    stream_interval: int = 1  # stream every N tokens
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError("max_total_tokens must be >= 1")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, model_path: Optional[str] = None, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model_path=model_path, **kwargs)
+
+    @property
+    def chunk_size(self) -> Optional[int]:
+        return self.chunked_prefill_size if self.chunked_prefill_size and self.chunked_prefill_size > 0 else None
