@@ -247,3 +247,47 @@ class ReplicaStats:
 
 class QueueFull(RuntimeError):
     """The replica's waiting queue is at `max_queued_requests`: the HTTP layer answers 503."""
+
+
+@dataclass
+class ModelCard:
+    """What the ingress needs to know about a replica's model, sent once at ingress start.
+
+    The tokenizer travels as its files' text (tokenizer.json, tokenizer_config.json, the chat
+    template ...) so the ingress tokenizes exactly as the replica does, on any node, without
+    importing engine code or finding the model on its own disk.
+    """
+
+    served_model_name: str
+    model_path: Optional[str]
+    context_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    tokenizer_files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelCard":
+        return cls(**d)
+
+
+def encode_error(exc: Exception) -> dict[str, Any]:
+    """A replica's refusal (InvalidRequest / QueueFull) as a message: `{"error": {...}}`."""
+    if isinstance(exc, InvalidRequest):
+        return {"error": {"kind": "invalid_request", "message": exc.message,
+                          "param": exc.param, "code": exc.code}}
+    if isinstance(exc, QueueFull):
+        return {"error": {"kind": "queue_full", "message": str(exc) or "queue full"}}
+    raise TypeError(f"not a protocol error: {type(exc).__name__}")
+
+
+def decode_error(d: dict[str, Any]) -> Exception:
+    """The exception that `encode_error` encoded (to be raised by the receiver)."""
+    err = d["error"]
+    if err["kind"] == "invalid_request":
+        return InvalidRequest(err["message"], err.get("param"), err.get("code"))
+    if err["kind"] == "queue_full":
+        return QueueFull(err["message"])
+    raise ValueError(f"unknown error kind {err['kind']!r}")
