@@ -1,0 +1,256 @@
+"""One replica's engine: a loop on its own thread that batches requests step by step.
+
+Requests join and leave the running batch at step boundaries. Outputs flow back to asyncio
+consumers through per-request queues, handed over with one `call_soon_threadsafe` per event loop
+per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+from typing import Any, AsyncIterator, Optional
+
+import torch
+
+from radixserve.workers.engine.config import EngineConfig
+from radixserve.workers.engine.engine_core import EngineCore
+from radixserve.workers.engine.request import Req
+from radixserve.workers.protocol import (GenerateRequest, InvalidRequest, OutputChunk, QueueFull,
+                                         ReplicaStats, SamplingParams)
+
+logger = logging.getLogger("radixserve.engine")
+
+
+class RequestStream:
+    """Async iterator over one request's OutputChunks (all n sequences interleaved).
+
+    Raises InvalidRequest from the first `__anext__` if the request is refused after submission
+    (e.g. its grammar fails to compile).
+    """
+
+    def __init__(self, rid: str, n: int, loop: asyncio.AbstractEventLoop):
+        self.rid = rid
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = loop
+        self.n = n
+        self.remaining = n  # consumer side
+        self.finals_sent = 0  # engine side
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> OutputChunk:
+        if self.remaining <= 0:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.remaining = 0
+            raise item
+        if item.finished:
+            self.remaining -= 1
+        return item
+
+
+class Engine:
+    """The public offline API (SGLang's shape): `Engine(model_path=None, **server_args)`."""
+
+    def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+        self.config = EngineConfig.from_kwargs(model_path, **kwargs)
+        self.core = EngineCore(self.config)
+        self.tokenizer = self.core.tokenizer
+        self.model_config = self.core.model_config
+        self.served_model_name = self.core.served_model_name
+        self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
+        self._thread.start()
+
+    # Submission ------------------------------------------------------------------------------
+    def submit(self, request: GenerateRequest) -> RequestStream:
+        """Queue a tokenized request; call from a running event loop and consume there."""
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+        loop = asyncio.get_running_loop()
+        reqs = self.core.make_reqs(request)  # validates; raises InvalidRequest
+        limit = self.config.max_queued_requests
+        if limit is not None and self.core.num_queued() >= limit:
+            raise QueueFull(f"the request queue is full ({limit} requests waiting); retry later")
+        with self._lock:
+            if request.rid in self._streams:
+                raise InvalidRequest(f"request id {request.rid!r} is already in use", "rid")
+            stream = RequestStream(request.rid, len(reqs), loop)
+            self._streams[request.rid] = stream
+        self._inbox.put(("add", reqs))
+        return stream
+
+    def abort(self, rid: str) -> bool:
+        """Abort a queued or running request; its KV is released at the next step boundary."""
+        with self._lock:
+            known = rid in self._streams
+        if known:
+            self._inbox.put(("abort", rid))
+        return known
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are in flight."""
+        fut: Future = Future()
+        self._inbox.put(("flush", fut))
+        return fut.result(timeout=60)
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def replica_stats(self) -> ReplicaStats:
+        return ReplicaStats(**{k: v for k, v in self.core.stats().items()
+                               if k in ReplicaStats.__dataclass_fields__})
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    def __del__(self) -> None:  # best effort: a forgotten engine must not keep its thread busy
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    # High-level API --------------------------------------------------------------------------
+    def _requests(self, prompt, sampling_params, input_ids) -> tuple[list[GenerateRequest], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequest("give exactly one of prompt or input_ids", "prompt")
+        batched = isinstance(prompt, list) or (input_ids is not None and input_ids
+                                               and isinstance(input_ids[0], list))
+        if input_ids is None:
+            prompts = prompt if isinstance(prompt, list) else [prompt]
+            id_lists = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            id_lists = input_ids if batched else [input_ids]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
+        if len(params) != len(id_lists):
+            raise InvalidRequest("sampling_params list must match the number of prompts", "sampling_params")
+        reqs = [GenerateRequest(input_ids=list(ids), sampling_params=SamplingParams.from_dict(p))
+                for ids, p in zip(id_lists, params)]
+        return reqs, batched
+
+    async def _collect(self, request: GenerateRequest) -> list[dict[str, Any]]:
+        outs: dict[int, dict[str, Any]] = {}
+        async for chunk in self.submit(request):
+            _merge(outs.setdefault(chunk.index, _empty_result(request.rid)), chunk)
+        return [outs[i] for i in sorted(outs)]
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
+                             stream: bool = False):
+        """Returns the result dict (a list for batched input or n > 1); with stream=True an async
+        iterator of cumulative result dicts, one per new chunk."""
+        reqs, batched = self._requests(prompt, sampling_params, input_ids)
+        if stream:
+            if len(reqs) != 1:
+                raise InvalidRequest("streaming takes a single prompt", "prompt")
+            return self._stream(reqs[0])
+        results = await asyncio.gather(*(self._collect(r) for r in reqs))
+        flat = [o for r in results for o in r]
+        return flat if batched or len(flat) > 1 else flat[0]
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        outs: dict[int, dict[str, Any]] = {}
+        async for chunk in self.submit(request):
+            out = outs.setdefault(chunk.index, _empty_result(request.rid))
+            _merge(out, chunk)
+            yield dict(out, index=chunk.index, meta_info=dict(out["meta_info"]))
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None):
+        """Synchronous generate; same return shape as `async_generate`."""
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(self.async_generate(prompt, sampling_params, input_ids))
+        finally:
+            loop.close()
+
+    # The loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            try:
+                if not self._drain_inbox(block=not self.core.has_work()):
+                    break
+                delivered = self.core.step()
+            except Exception as exc:  # a bug must not hang every client: fail them all loudly
+                logger.exception("engine step failed")
+                delivered = self.core.fail_all(f"internal engine error: {exc!r}")
+            self._deliver(delivered)
+        self._deliver(self.core.fail_all("engine shut down"))
+
+    def _drain_inbox(self, block: bool) -> bool:
+        while True:
+            try:
+                cmd, arg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if cmd == "stop":
+                return False
+            if cmd == "add":
+                self.core.add(arg)
+            elif cmd == "abort":
+                self.core.abort(arg)
+            elif cmd == "flush":
+                arg.set_result(self.core.flush_cache())
+
+    def _deliver(self, items: list) -> None:
+        """items: (rid, OutputChunk | Exception). Groups per event loop, one wake-up each."""
+        if not items:
+            return
+        per_loop: dict[Any, list] = defaultdict(list)
+        with self._lock:
+            for rid, item in items:
+                stream = self._streams.get(rid)
+                if stream is None:
+                    continue
+                per_loop[stream.loop].append((stream, item))
+                if isinstance(item, BaseException):
+                    del self._streams[rid]
+                elif item.finished:
+                    stream.finals_sent += 1
+                    if stream.finals_sent >= stream.n:
+                        del self._streams[rid]
+        for loop, batch in per_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:
+                pass  # the consumer's loop is closed: nobody is listening any more
+
+
+def _put_all(batch: list) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
+
+
+def _empty_result(rid: str) -> dict[str, Any]:
+    return {"text": "", "output_ids": [], "meta_info": {
+        "id": rid, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+        "finish_reason": None, "e2e_latency": None}}
+
+
+def _merge(out: dict[str, Any], chunk: OutputChunk) -> None:
+    out["text"] += chunk.text
+    out["output_ids"].extend(chunk.token_ids)
+    meta = out["meta_info"]
+    if chunk.logprobs is not None:
+        meta.setdefault("output_token_logprobs", []).extend(
+            (lp.logprob, lp.token_id) for lp in chunk.logprobs)
+        meta.setdefault("output_top_logprobs", []).extend(lp.top for lp in chunk.logprobs)
+    if chunk.finished:
+        meta.update(prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
+                    cached_tokens=chunk.cached_tokens, finish_reason=chunk.finish_reason,
+                    e2e_latency=chunk.e2e_latency)

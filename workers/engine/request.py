@@ -1,0 +1,96 @@
+"""One sequence being generated: plain counters and token lists, no tensors (STYLE rule 2)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Optional
+
+from radixserve.workers.protocol import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Req:
+    """A sequence: its prompt, what it generated, and which KV slots hold its computed positions.
+
+    `kv_slots[i]` is the pool slot of position i for i < num_computed. The first `cache_len` of them
+    belong to the radix tree (shared, protected by the lock on `last_node`); the rest are this
+    request's own until it hands them to the cache at the end.
+    """
+
+    def __init__(self, rid: str, index: int, input_ids: list[int], params: SamplingParams,
+                 namespace: Optional[str] = None, arrival: Optional[float] = None):
+        self.rid = rid  # the user's request id; n > 1 sequences share it
+        self.index = index  # sequence number within the request
+        self.key = f"{rid}#{index}"
+        self.origin_input_ids = input_ids
+        self.output_ids: list[int] = []
+        self.params = params
+        self.namespace = namespace
+        self.status = ReqStatus.WAITING
+        self.finish_reason: Optional[dict[str, Any]] = None
+        # KV state
+        self.kv_slots: list[int] = []
+        self.cache_len = 0  # leading kv_slots owned by the radix tree
+        self.last_node: Any = None  # locked tree node covering kv_slots[:cache_len]
+        self.row: Optional[int] = None  # ReqToTokenPool row while running
+        self.table_len = 0  # how many kv_slots are written into that row
+        # Accounting
+        self.cached_tokens: Optional[int] = None  # prompt tokens reused at first admission
+        self.num_retractions = 0
+        self.arrival = arrival if arrival is not None else time.monotonic()
+        self.admitted_at: Optional[float] = None
+        self.first_token_at: Optional[float] = None
+        # Per-sequence helpers attached by the engine (generator, detokenizer, grammar).
+        self.generator: Any = None
+        self.detokenizer: Any = None
+        self.grammar: Any = None
+        self.aborted = False
+
+    # Derived lengths -----------------------------------------------------------------------
+    @property
+    def num_computed(self) -> int:
+        return len(self.kv_slots)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the sequence needs: prompt + output (the last output token's KV is
+        computed by the next decode step)."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens still to compute before the next token can be sampled."""
+        return self.seq_len - self.num_computed
+
+    @property
+    def decode_ready(self) -> bool:
+        """Only the last token is uncomputed: one decode step samples the next token."""
+        return self.remaining_prefill == 1
+
+    @property
+    def max_new_remaining(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def finish(self, kind: str, matched: Any = None, message: Optional[str] = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = {"type": kind, "matched": matched}
+            if message:
+                self.finish_reason["message"] = message
+
+    def __repr__(self) -> str:
+        return (f"Req({self.key}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
+                f"computed={self.num_computed}, cache_len={self.cache_len}, {self.status.value})")
