@@ -71,6 +71,8 @@ class Scheduler:
         out = [r for r in self.waiting if r.aborted]
         if out:
             self.waiting = deque(r for r in self.waiting if not r.aborted)
+            for r in out:
+                r.status = ReqStatus.FINISHED
         gone = [r for r in self.running if r.aborted]
         if gone:
             self.running = [r for r in self.running if not r.aborted]
@@ -230,9 +232,12 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Publish finished chunks of chunked prefills to the cache so others can share them."""
-        for req, sampled in zip(batch.reqs, batch.sample_mask):
-            if not sampled and not req.aborted and req.status is ReqStatus.RUNNING:
+        """After a prefill, publish what was computed to the cache so that waiting requests sharing
+        the prefix reuse it at once (not only when this request finishes)."""
+        if batch.kind is not BatchKind.PREFILL:
+            return
+        for req in batch.reqs:
+            if not req.aborted and req.status is ReqStatus.RUNNING:
                 self._cache_progress(req)
 
     def _cache_progress(self, req: Req) -> None:

@@ -1,0 +1,167 @@
+"""Scheduler bookkeeping without a model: a fake 'forward' appends a deterministic token."""
+
+import pytest
+
+from radixserve.workers.engine.config import EngineConfig
+from radixserve.workers.engine.kv_pool import KVPool, ReqToTokenPool
+from radixserve.workers.engine.radix_cache import NullCache, RadixCache, kv_invariant_ok
+from radixserve.workers.engine.request import Req, ReqStatus
+from radixserve.workers.engine.scheduler import BatchKind, Scheduler
+from radixserve.workers.protocol import SamplingParams
+
+
+def make(pool_tokens=256, page_size=1, cache=True, **cfg):
+    config = EngineConfig(page_size=page_size, disable_radix_cache=not cache, **cfg)
+    pool = KVPool(1, 1, 1, pool_tokens, page_size=page_size)
+    req_pool = ReqToTokenPool(config.max_running_requests + 1, 4096)
+    c = (RadixCache if cache else NullCache)(pool, page_size=page_size)
+    return Scheduler(config, pool, req_pool, c), pool, c
+
+
+def req(rid, ids, max_new=4, index=0):
+    return Req(rid, index, list(ids), SamplingParams(max_new_tokens=max_new, temperature=0))
+
+
+def next_token(r):
+    return (sum(r.fill_ids) * 31 + 7) % 1000  # deterministic function of the sequence so far
+
+
+def run(sched, reqs, max_steps=10_000):
+    """Drive to completion; returns (per-request outputs, plans)."""
+    for r in reqs:
+        sched.add(r)
+    plans = []
+    for _ in range(max_steps):
+        sched.take_aborted()
+        plan = sched.schedule()
+        if plan is None:
+            break
+        plans.append((plan.kind, [r.key for r in plan.reqs], list(plan.extend_lens)))
+        for r, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
+            assert r.num_computed == start + n
+            assert len(set(r.kv_slots)) == len(r.kv_slots)
+        sched.after_step(plan)
+        for r, m in zip(plan.reqs, plan.sample_mask):
+            if m:
+                r.output_ids.append(next_token(r))
+                if len(r.output_ids) >= r.params.max_new_tokens:
+                    sched.finish(r)
+    assert not sched.has_work()
+    return {r.key: list(r.output_ids) for r in reqs}, plans
+
+
+def check_idle(pool, cache):
+    cache.check_integrity()
+    assert kv_invariant_ok(pool, cache)
+
+
+def test_prefix_reuse_and_exact_slot_accounting():
+    sched, pool, cache = make()
+    a = req("a", range(1, 21))
+    outs, plans = run(sched, [a])
+    assert plans[0] == (BatchKind.PREFILL, ["a#0"], [20])
+    assert [p[0] for p in plans[1:]] == [BatchKind.DECODE] * 3
+    assert a.cached_tokens == 0
+    # A second request sharing the first 15 tokens reuses them.
+    b = req("b", list(range(1, 16)) + [99, 98])
+    outs_b, plans_b = run(sched, [b])
+    assert b.cached_tokens == 15
+    assert plans_b[0] == (BatchKind.PREFILL, ["b#0"], [2])
+    # Fully cached prompt: hits stop at len - 1, the last token is still computed.
+    c = req("c", range(1, 21))
+    run(sched, [c])
+    assert c.cached_tokens == 19
+    check_idle(pool, cache)
+
+
+def test_chunked_prefill_matches_unchunked_and_publishes_chunks():
+    prompt = list(range(1, 101))
+    s1, p1, c1 = make(chunked_prefill_size=32)
+    r1 = req("x", prompt)
+    o1, plans = run(s1, [r1])
+    assert [p[2] for p in plans[:4]] == [[32], [32], [32], [4]]
+    s2, p2, c2 = make(chunked_prefill_size=-1)
+    r2 = req("x", prompt)
+    o2, _ = run(s2, [r2])
+    assert o1 == o2
+    check_idle(p1, c1)
+    check_idle(p2, c2)
+
+
+def test_lpm_in_batch_dedup_defers_shared_prefix():
+    sched, pool, cache = make(chunked_prefill_size=-1)
+    shared = list(range(500, 564))
+    reqs = [req(f"r{i}", shared + [i + 1, i + 2]) for i in range(3)]
+    outs, plans = run(sched, reqs)
+    # The first warms the shared prefix; the others wait one round and then reuse it.
+    assert plans[0] == (BatchKind.PREFILL, ["r0#0"], [66])
+    assert reqs[1].cached_tokens == 64 and reqs[2].cached_tokens == 64
+    check_idle(pool, cache)
+
+
+@pytest.fixture
+def optimistic(monkeypatch):
+    """Admit as if requests will stop early, so running ones must be retracted later."""
+    import radixserve.workers.engine.scheduler as mod
+    monkeypatch.setattr(mod, "INIT_NEW_TOKEN_RATIO", 0.05)
+    monkeypatch.setattr(mod, "MIN_NEW_TOKEN_RATIO", 0.05)
+
+
+def test_memory_pressure_retracts_and_outputs_match_unpressured(optimistic):
+    prompts = [list(range(10 * i + 1, 10 * i + 41)) for i in range(8)]
+    big, bp, bc = make(pool_tokens=4096)
+    ref, _ = run(big, [req(f"q{i}", p, max_new=30) for i, p in enumerate(prompts)])
+    small, sp, scache = make(pool_tokens=150)
+    reqs = [req(f"q{i}", p, max_new=30) for i, p in enumerate(prompts)]
+    outs, _ = run(small, reqs)
+    assert outs == ref
+    assert small.num_retractions > 0
+    check_idle(sp, scache)
+    check_idle(bp, bc)
+
+
+def test_memory_pressure_without_cache(optimistic):
+    prompts = [list(range(10 * i + 1, 10 * i + 41)) for i in range(6)]
+    ref, _ = run(make(pool_tokens=4096, cache=False)[0], [req(f"q{i}", p, 40) for i, p in enumerate(prompts)])
+    small, sp, sc = make(pool_tokens=100, cache=False)
+    outs, _ = run(small, [req(f"q{i}", p, 40) for i, p in enumerate(prompts)])
+    assert outs == ref
+    assert small.num_retractions > 0
+    assert sp.available() == sp.size
+
+
+def test_abort_waiting_and_running_frees_slots():
+    sched, pool, cache = make(pool_tokens=512, max_running_requests=1)
+    a, b = req("a", range(1, 50), max_new=100), req("b", range(200, 250), max_new=100)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert [r.key for r in plan.reqs] == ["a#0"]
+    sched.after_step(plan)
+    a.output_ids.append(1)
+    assert pool.available() < pool.size
+    a.aborted = b.aborted = True
+    gone = sched.take_aborted()
+    assert {r.key for r in gone} == {"a#0", "b#0"}
+    assert not sched.has_work()
+    assert all(r.status is ReqStatus.FINISHED for r in gone)
+    check_idle(pool, cache)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_page_sizes_give_same_outputs(page_size):
+    prompts = [list(range(1, 30)), list(range(1, 23)) + [7, 8, 9], list(range(40, 77))]
+    ref, _ = run(make(page_size=1)[0], [req(f"p{i}", p, 9) for i, p in enumerate(prompts)])
+    sched, pool, cache = make(page_size=page_size, pool_tokens=400)
+    outs, _ = run(sched, [req(f"p{i}", p, 9) for i, p in enumerate(prompts)])
+    assert outs == ref
+    check_idle(pool, cache)
+
+
+def test_fcfs_and_dfs_weight_complete():
+    for policy in ("fcfs", "dfs-weight"):
+        sched, pool, cache = make(schedule_policy=policy)
+        shared = list(range(300, 340))
+        reqs = [req(f"{policy}{i}", shared + [i] * 5, 3) for i in range(5)]
+        run(sched, reqs)
+        check_idle(pool, cache)
