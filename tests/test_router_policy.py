@@ -1,0 +1,242 @@
+"""Routing policies: exact choices for affinity, imbalance, eviction, removal and corrections."""
+
+import random
+import threading
+
+import pytest
+
+from radixserve.router.policy import (
+    CacheAwarePolicy,
+    Decision,
+    NoReplicaAvailable,
+    PolicyConfig,
+    ReplicaLoad,
+    make_policy,
+)
+from radixserve.workers.protocol import ReplicaStats
+
+SYSTEM = list(range(10_000, 10_400))  # a 400-token shared system prompt
+
+
+def prompt(tail_start, n=20, system=SYSTEM):
+    return system + list(range(tail_start, tail_start + n))
+
+
+def idle(*ids):
+    return [ReplicaLoad(r) for r in ids]
+
+
+def test_defaults_follow_sglang_router():
+    cfg = PolicyConfig()
+    assert (cfg.policy, cfg.cache_threshold, cfg.balance_abs_threshold) == ("cache_aware", 0.3, 64)
+    assert cfg.balance_rel_threshold == 1.5
+
+
+def test_shared_prefix_sticks_to_one_replica_and_new_prefixes_spread():
+    policy = make_policy("cache_aware")
+    first = policy.route(prompt(1), policy.loads(["a", "b"]))
+    assert first == Decision("a", 0, "cache_miss")  # all equal: the lowest id
+    policy.on_complete("a", prompt(1), [7, 8])
+    other = list(range(50_000, 50_300))
+    # Equal load again: the replica claiming fewer tokens takes the new prefix.
+    assert policy.route(other, policy.loads(["a", "b"])) == Decision("b", 0, "cache_miss")
+    for i in range(5):
+        decision = policy.route(prompt(100 * (i + 2)), policy.loads(["a", "b"]))
+        assert decision == Decision("a", 400, "cache_hit")
+    # Multi-turn: the next turn extends prompt + output, which on_complete recorded.
+    turn2 = prompt(1) + [7, 8] + [3, 3, 3]
+    assert policy.choose(turn2, policy.loads(["a", "b"])) == Decision("a", 422, "cache_hit")
+
+
+def test_new_prefix_goes_to_the_least_loaded():
+    policy = make_policy("cache_aware")
+    loads = [ReplicaLoad("a", in_flight=3), ReplicaLoad("b", in_flight=1), ReplicaLoad("c", 2)]
+    assert policy.choose(prompt(1), loads) == Decision("b", 0, "cache_miss")
+
+
+def test_match_rate_must_exceed_the_cache_threshold():
+    policy = make_policy("cache_aware", cache_threshold=0.5)
+    policy.on_dispatch(list(range(100)), "a")
+    loads = [ReplicaLoad("a", in_flight=2), ReplicaLoad("b", in_flight=1)]
+    at_threshold = list(range(50)) + list(range(900, 950))  # 50 / 100 is not > 0.5
+    assert policy.choose(at_threshold, loads) == Decision("b", 0, "cache_miss")
+    above = list(range(51)) + list(range(900, 949))
+    assert policy.choose(above, loads) == Decision("a", 51, "cache_hit")
+
+
+def test_imbalance_falls_back_to_the_least_loaded_despite_a_match():
+    policy = make_policy("cache_aware")  # abs 64, rel 1.5
+    policy.on_dispatch(prompt(1), "a")
+    p = prompt(500)
+    busy = [ReplicaLoad("a", in_flight=100), ReplicaLoad("b", in_flight=30)]
+    assert policy.choose(p, busy) == Decision("b", 0, "imbalance")
+    # Gap of 60 <= 64: balanced, affinity wins.
+    near = [ReplicaLoad("a", in_flight=90), ReplicaLoad("b", in_flight=30)]
+    assert policy.choose(p, near) == Decision("a", 400, "cache_hit")
+    # Gap of 70 > 64 but 270 <= 200 * 1.5: still balanced.
+    relative = [ReplicaLoad("a", running=200, queued=70), ReplicaLoad("b", in_flight=200)]
+    assert policy.choose(p, relative) == Decision("a", 400, "cache_hit")
+    assert policy.snapshot()["imbalance_fallbacks"] == 1
+
+
+def test_imbalance_prefers_the_best_match_among_the_least_loaded():
+    policy = make_policy("cache_aware")
+    policy.on_dispatch(prompt(1), "a")
+    policy.on_dispatch(SYSTEM[:100], "b")
+    policy.on_dispatch(list(range(70_000, 70_500)), "c")  # c claims more than d
+    loads = [ReplicaLoad("a", in_flight=100), ReplicaLoad("b", 0), ReplicaLoad("c", 0),
+             ReplicaLoad("d", 0)]
+    assert policy.choose(prompt(9), loads) == Decision("b", 100, "imbalance")
+    # No least-loaded replica matches: fewest claimed tokens wins (d claims none).
+    assert policy.choose([5, 5, 5], loads) == Decision("d", 0, "imbalance")
+
+
+def test_ties_break_deterministically_whatever_the_candidate_order():
+    for order in (["c", "a", "b"], ["b", "c", "a"]):
+        policy = make_policy("cache_aware")
+        assert policy.route([1, 2, 3], idle(*order)).replica_id == "a"
+        policy.on_complete("a", [1, 2, 3])
+        assert policy.route([4, 5, 6], idle(*order)).replica_id == "b"
+        policy.on_complete("b", [4, 5, 6])
+        policy.on_dispatch(SYSTEM, "b")
+        policy.on_dispatch(SYSTEM, "c")
+        # Equal match and load: the lowest id among the longest matches.
+        assert policy.choose(prompt(1), idle(*order)) == Decision("b", 400, "cache_hit")
+
+
+def test_evicted_prefix_no_longer_routes_to_its_old_replica():
+    policy = make_policy("cache_aware", max_tokens_per_replica=500)
+    policy.on_dispatch(prompt(1), "a")  # 420 tokens
+    policy.on_dispatch(list(range(80_000, 80_200)), "a")  # 620 > 500: prompt(1) evicted
+    loads = [ReplicaLoad("a", in_flight=1), ReplicaLoad("b", in_flight=0)]
+    assert policy.choose(prompt(1), loads) == Decision("b", 0, "cache_miss")
+    assert policy.choose(list(range(80_000, 80_300)), loads) == Decision("a", 200, "cache_hit")
+    snap = policy.snapshot()
+    assert (snap["tree_tokens"], snap["tree_nodes"]) == (200, 1)
+
+
+def test_removed_replica_gets_no_more_requests_and_late_completions_are_ignored():
+    policy = make_policy("cache_aware")
+    policy.route(prompt(1), idle("a", "b"))
+    assert policy.route(prompt(2), policy.loads(["a", "b"])).replica_id == "a"
+    policy.on_replica_removed("a")
+    assert policy.route(prompt(3), policy.loads(["b", "c"])) == Decision("b", 0, "cache_miss")
+    policy.on_complete("a", prompt(1), [1, 2])  # the dead replica's stream ending
+    snap = policy.snapshot()
+    assert snap["in_flight"] == {"b": 1}
+    assert snap["tree_tokens_by_replica"] == {"b": 420}
+    assert policy.choose(prompt(4), idle("b", "c")) == Decision("b", 400, "cache_hit")
+
+
+def test_replica_events_and_summaries_correct_the_tree():
+    policy = make_policy("cache_aware")
+    policy.on_dispatch(prompt(1), "a")
+    policy.on_replica_events("a", evicted=[SYSTEM[:1]])  # a evicted everything of it
+    assert policy.choose(prompt(2), idle("a", "b")) == Decision("a", 0, "cache_miss")
+    assert policy.snapshot()["tree_tokens"] == 0
+    policy.on_replica_events("b", inserted=[prompt(1)])  # b cached it (another ingress sent it)
+    assert policy.choose(prompt(2), idle("a", "b")) == Decision("b", 400, "cache_hit")
+    mark = policy.sync_point()
+    policy.on_dispatch(list(range(60_000, 60_100)), "b")  # routed while the report travels
+    policy.on_replica_summary("b", [SYSTEM[:300]], keep_newer_than=mark)
+    assert policy.choose(prompt(2), idle("a", "b")) == Decision("b", 300, "cache_hit")
+    assert policy.choose(list(range(60_000, 60_100)), idle("a", "b")).replica_id == "b"
+
+
+def test_replica_capacity_bounds_what_the_tree_believes():
+    policy = make_policy("cache_aware")
+    policy.on_dispatch(prompt(1), "a")
+    policy.set_replica_capacity("a", 100)  # its KV pool holds 100 tokens: the claim goes
+    assert policy.snapshot()["tree_tokens_by_replica"] == {}
+
+
+def test_round_robin_cycles_in_candidate_order():
+    policy = make_policy("round_robin")
+    chosen = [policy.route([1], idle("a", "b", "c")).replica_id for _ in range(7)]
+    assert chosen == ["a", "b", "c", "a", "b", "c", "a"]
+    assert policy.snapshot()["in_flight"] == {"a": 3, "b": 2, "c": 2}
+
+
+def test_power_of_two_never_picks_the_most_loaded_and_is_reproducible():
+    loads = [ReplicaLoad("a", in_flight=5), ReplicaLoad("b", 0), ReplicaLoad("c", in_flight=9)]
+    runs = []
+    for _ in range(2):
+        policy = make_policy("power_of_two", seed=1234)
+        runs.append([policy.choose([1], loads).replica_id for _ in range(300)])
+    assert runs[0] == runs[1]
+    assert "c" not in runs[0] and {"a", "b"} == set(runs[0])
+    # "a" wins only when drawn with "c": about a third of the time.
+    assert 60 < runs[0].count("a") < 140
+    two = make_policy("power_of_two", seed=5)
+    pair = [ReplicaLoad("a", in_flight=1), ReplicaLoad("b", in_flight=0)]
+    assert {two.choose([1], pair).replica_id for _ in range(50)} == {"b"}
+
+
+def test_random_is_reproducible_with_a_seed():
+    policy = make_policy("random", seed=3)
+    chosen = [policy.choose([1], idle("a", "b", "c")).replica_id for _ in range(60)]
+    again = make_policy("random", seed=3)
+    assert chosen == [again.choose([1], idle("a", "b", "c")).replica_id for _ in range(60)]
+    assert set(chosen) == {"a", "b", "c"}
+    assert again.choose([1], idle("a")) == Decision("a", 0, "random")
+
+
+def test_snapshot_counts_hits_misses_fallbacks_and_in_flight():
+    policy = make_policy("cache_aware", balance_abs_threshold=2, balance_rel_threshold=1.0)
+    policy.route(prompt(1), policy.loads(["a", "b"]))  # miss -> a
+    policy.route(prompt(2), policy.loads(["a", "b"]))  # hit -> a
+    policy.route(prompt(3), policy.loads(["a", "b"]))  # hit -> a (gap 2 is not > 2)
+    policy.route(prompt(4), policy.loads(["a", "b"]))  # gap 3: imbalance -> b
+    policy.on_complete("a", prompt(1))
+    snap = policy.snapshot()
+    assert snap == {
+        "policy": "cache_aware", "requests_total": 4, "prefix_hits": 2, "prefix_misses": 1,
+        "imbalance_fallbacks": 1, "matched_tokens_total": 800, "tree_tokens": 480,
+        "tree_nodes": 5, "tree_tokens_by_replica": {"a": 460, "b": 420},
+        "in_flight": {"a": 2, "b": 1}, "in_flight_tokens": {"a": 840, "b": 420},
+    }
+
+
+def test_loads_combine_own_in_flight_with_replica_reports():
+    policy = make_policy("round_robin")
+    policy.on_dispatch([1, 2], "a")
+    reports = {"b": ReplicaStats(replica_id="b", running=4, queued=3)}
+    loads = policy.loads(["a", "b"], reports)
+    assert loads == [ReplicaLoad("a", in_flight=1), ReplicaLoad("b", running=4, queued=3)]
+    assert [r.load for r in loads] == [1, 7]
+
+
+def test_bad_names_config_and_empty_candidates_are_rejected():
+    with pytest.raises(ValueError, match="unknown router policy"):
+        make_policy("fastest")
+    with pytest.raises(ValueError):
+        make_policy("cache_aware", cache_threshold=1.5)
+    with pytest.raises(ValueError):
+        make_policy("cache_aware", balance_rel_threshold=0.5)
+    with pytest.raises(NoReplicaAvailable):
+        make_policy("cache_aware").route([1], [])
+    assert isinstance(make_policy(policy="cache_aware"), CacheAwarePolicy)
+
+
+def test_concurrent_routing_keeps_counts_consistent():
+    policy = make_policy("cache_aware", max_tree_tokens=20_000)
+    replicas = ["a", "b", "c"]
+
+    def worker(seed):
+        rng = random.Random(seed)
+        for _ in range(300):
+            tokens = prompt(rng.randrange(5) * 1000, 30, SYSTEM[: rng.randrange(1, 400)])
+            decision = policy.route(tokens, policy.loads(replicas))
+            policy.on_complete(decision.replica_id, tokens, [rng.randrange(9)])
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    snap = policy.snapshot()
+    assert snap["requests_total"] == 1200
+    assert snap["prefix_hits"] + snap["prefix_misses"] + snap["imbalance_fallbacks"] == 1200
+    assert set(snap["in_flight"].values()) == {0} and set(snap["in_flight_tokens"].values()) == {0}
+    assert snap["tree_tokens"] <= 20_000
+    policy._tree.check_integrity()
