@@ -1,0 +1,232 @@
+"""Sampler: exact logits processing, filters that never leak, reproducible seeded draws, masks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from radixserve.workers.engine.sampler import Sampler, SamplerRow
+from radixserve.workers.protocol import SamplingParams
+
+torch.set_num_threads(2)
+
+V = 70  # tokenizer vocab; logits are padded to PADDED columns like a real model's
+PADDED = 96
+EOS = 7
+
+
+def make_sampler(seed: int = 0) -> Sampler:
+    return Sampler(vocab_size=V, eos_token_ids=[EOS], seed=seed)
+
+
+def row(prompt=(), output=(), generator=None, **params) -> SamplerRow:
+    return SamplerRow(SamplingParams(**params), list(prompt), list(output), generator)
+
+
+def padded(logits: torch.Tensor) -> torch.Tensor:
+    """Append padding columns with huge logits: picking one would be a bug."""
+    return torch.cat([logits, torch.full((logits.shape[0], PADDED - V), 1e4)], dim=1)
+
+
+def logits_from_probs(probs: list[float], rows: int = 1) -> torch.Tensor:
+    base = torch.full((V,), -1e9)
+    base[: len(probs)] = torch.tensor(probs).log()
+    return padded(base.repeat(rows, 1))
+
+
+def draws(params: dict, logits_row: torch.Tensor, n: int = 3000, seed: int = 0) -> list[int]:
+    """n independent draws: one batch of n identical rows."""
+    s = make_sampler(seed)
+    batch = s.prepare([row(**params) for _ in range(n)])
+    return s.sample(logits_row.expand(n, -1).contiguous(), batch).token_ids
+
+
+def test_greedy_is_argmax_and_plain_fast_path():
+    s = make_sampler()
+    logits = padded(torch.randn(5, V, generator=torch.Generator().manual_seed(1)))
+    batch = s.prepare([row(temperature=0.0) for _ in range(5)])
+    assert batch.plain_greedy
+    assert s.sample(logits, batch).token_ids == logits[:, :V].argmax(-1).tolist()
+
+
+def test_top_k_one_is_greedy_even_at_high_temperature():
+    s = make_sampler()
+    logits = padded(torch.randn(4, V, generator=torch.Generator().manual_seed(2)))
+    batch = s.prepare([row(temperature=5.0, top_k=1) for _ in range(4)])
+    for _ in range(5):
+        assert s.sample(logits, batch).token_ids == logits[:, :V].argmax(-1).tolist()
+
+
+def seeded_run(sampler: Sampler, seed: int, others: list[SamplerRow], position: int,
+               steps: int = 12) -> list[int]:
+    """Generate `steps` tokens for one seeded row sitting at `position` among `others`."""
+    gen = sampler.make_generator(seed)
+    logits_gen = torch.Generator().manual_seed(99)
+    out = []
+    for _ in range(steps):
+        mine = row(output=out, generator=gen, temperature=1.3, top_p=0.9, seed=seed)
+        rows = others[:position] + [mine] + others[position:]
+        logits = padded(torch.randn(len(rows), V, generator=logits_gen))
+        logits[position] = padded(torch.arange(V, dtype=torch.float32)[None] / 10)[0]
+        out.append(sampler.sample(logits, sampler.prepare(rows)).token_ids[position])
+    return out
+
+
+def test_seeded_rows_reproduce_regardless_of_batch():
+    alone = seeded_run(make_sampler(0), 1234, [], 0)
+    assert seeded_run(make_sampler(1), 1234, [], 0) == alone
+    others = [row(temperature=0.7), row(temperature=0.0), row(temperature=1.0, top_k=5, seed=9,
+                                                              generator=torch.Generator().manual_seed(9))]
+    assert seeded_run(make_sampler(2), 1234, others, 1) == alone
+    assert seeded_run(make_sampler(3), 1234, others[:1], 1) == alone
+    assert seeded_run(make_sampler(0), 4321, [], 0) != alone
+    assert len(set(alone)) > 3  # it really sampled
+
+
+def test_unseeded_sampling_follows_the_distribution():
+    probs = [0.5, 0.3, 0.2]
+    tokens = draws({"temperature": 1.0}, logits_from_probs(probs)[0], n=6000)
+    freq = [tokens.count(t) / len(tokens) for t in range(3)]
+    assert set(tokens) == {0, 1, 2}
+    assert all(abs(f - p) < 0.03 for f, p in zip(freq, probs)), freq
+
+
+@pytest.mark.parametrize("params, allowed", [
+    ({"top_k": 3}, {0, 1, 2}),
+    ({"top_p": 0.65}, {0, 1}),  # the mass before token 2 is 0.7 >= 0.65
+    ({"top_p": 0.8}, {0, 1, 2}),  # the mass before token 3 is 0.85
+    ({"min_p": 0.2}, {0, 1, 2, 3}),  # drops p < 0.2 * 0.4
+    ({"top_k": 4, "top_p": 0.8}, {0, 1, 2}),  # renormalised over 4: mass before token 3 is 0.89
+    ({"top_k": 2, "min_p": 0.01}, {0, 1}),
+])
+def test_filters_never_pick_a_filtered_token(params, allowed):
+    probs = [0.4, 0.3, 0.15, 0.1, 0.05]
+    logits = logits_from_probs(probs)[0]
+    assert set(draws({"temperature": 1.0, **params}, logits)) == allowed
+
+
+def test_min_p_is_relative_to_the_top_token_after_temperature():
+    logits = logits_from_probs([0.4, 0.3, 0.15, 0.1, 0.05])[0]
+    # At temperature 0.5 probabilities ~ p^2: 0.16 : 0.09 : 0.0225 : 0.01 ... ; 0.1 * 0.16 = 0.016.
+    assert set(draws({"temperature": 0.5, "min_p": 0.1}, logits)) == {0, 1, 2}
+
+
+def test_mixed_batch_rows_keep_their_own_filters():
+    s = make_sampler()
+    logits = logits_from_probs([0.4, 0.3, 0.15, 0.1, 0.05], rows=4)
+    rows = [row(temperature=0.0), row(top_k=2), row(temperature=1.0), row(top_p=0.5)]
+    seen = [set() for _ in rows]
+    batch = s.prepare(rows)
+    for _ in range(300):
+        for i, t in enumerate(s.sample(logits, batch).token_ids):
+            seen[i].add(t)
+    assert seen == [{0}, {0, 1}, {0, 1, 2, 3, 4}, {0, 1}]
+
+
+def test_penalties_change_logits_exactly():
+    s = make_sampler()
+    raw = torch.zeros(2, V)
+    raw[:, :5] = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0])
+    rows = [row(prompt=[0, 4], output=[1, 1, 3], repetition_penalty=2.0),
+            row(prompt=[0, 4], output=[1, 1, 3], frequency_penalty=0.5, presence_penalty=0.25)]
+    out = s.process_logits(padded(raw), s.prepare(rows))
+    assert out.shape == (2, V)
+    assert out[0, :6].tolist() == [1.0, -2.0, 0.5, 1.5, -8.0, 0.0]
+    assert out[1, :6].tolist() == [2.0, -1.0 - 1.0 - 0.25, 0.5, 3.0 - 0.5 - 0.25, -4.0, 0.0]
+    assert torch.equal(out[:, 6:], raw[:, 6:])
+
+
+def test_penalty_order_bias_then_repetition_then_frequency():
+    s = make_sampler()
+    raw = torch.zeros(1, V)
+    raw[0, 1] = -1.0
+    # bias makes the logit positive, so the repetition penalty divides: (-1 + 3) / 2 - 0.5 * 2 - 0.5
+    rows = [row(output=[1, 1], logit_bias={1: 3.0}, repetition_penalty=2.0,
+                frequency_penalty=0.5, presence_penalty=0.5)]
+    assert s.process_logits(padded(raw), s.prepare(rows))[0, 1].item() == -0.5
+
+
+def test_logit_bias_is_added_and_steers_greedy():
+    s = make_sampler()
+    raw = torch.randn(1, V, generator=torch.Generator().manual_seed(3))
+    logits = padded(raw)
+    batch = s.prepare([row(temperature=0.0, logit_bias={5: 100.0, 6: -2.5})])
+    out = s.process_logits(logits, batch)
+    assert out[0, 5] == raw[0, 5] + 100.0  # float32 arithmetic, exactly
+    assert out[0, 6] == raw[0, 6] - 2.5
+    assert torch.equal(out[0, :5], raw[0, :5])
+    assert s.sample(logits, batch).token_ids == [5]
+    assert torch.equal(logits[:, :V], raw)  # input untouched
+
+
+def test_min_new_tokens_blocks_eos_and_stop_token_ids():
+    s = make_sampler()
+    raw = torch.zeros(1, V)
+    raw[0, EOS], raw[0, 9], raw[0, 11] = 10.0, 9.0, 8.0
+    logits = padded(raw)
+    for produced, expected in [(0, 11), (1, 11), (2, EOS)]:
+        rows = [row(output=[3] * produced, temperature=0.0, min_new_tokens=2, stop_token_ids=(9,))]
+        assert s.sample(logits, s.prepare(rows)).token_ids == [expected]
+
+
+def test_logprobs_come_from_the_raw_distribution_best_first():
+    s = make_sampler()
+    raw = torch.randn(3, V, generator=torch.Generator().manual_seed(4))
+    rows = [row(temperature=0.0, logprobs=True, top_logprobs=5, logit_bias={2: 50.0}),
+            row(temperature=0.0),
+            row(temperature=1.0, logprobs=True)]
+    out = s.sample(padded(raw), s.prepare(rows))
+    ref = raw.log_softmax(-1)
+    assert out.token_ids[0] == 2
+    assert out.logprobs[1] is None
+    for i in (0, 2):
+        lp = out.logprobs[i]
+        assert lp.token_id == out.token_ids[i]
+        assert lp.logprob == pytest.approx(ref[i, lp.token_id].item(), abs=1e-6)
+    top = out.logprobs[0].top
+    expected_ids = ref[0].topk(5).indices.tolist()
+    assert [t for t, _ in top] == expected_ids
+    assert [v for _, v in top] == pytest.approx(ref[0, expected_ids].tolist(), abs=1e-6)
+    assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    assert out.logprobs[2].top == []
+
+
+def pack_xgrammar(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [B, N] -> int32 [B, ceil(N/32)], bit j of word i = token 32*i + j."""
+    B, N = allowed.shape
+    words = math.ceil(N / 32)
+    bits = torch.zeros(B, words * 32, dtype=torch.int64)
+    bits[:, :N] = allowed.long()
+    packed = (bits.view(B, words, 32) << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_vocab_mask_restricts_choices(packed):
+    s = make_sampler()
+    allowed_ids = [3, 17, 31, 32, 63, 69]
+    allowed = torch.zeros(2, PADDED, dtype=torch.bool)
+    allowed[0, allowed_ids] = True
+    allowed[1, :] = True  # a row without a grammar
+    mask = pack_xgrammar(allowed) if packed else allowed
+    raw = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
+    greedy = s.prepare([row(temperature=0.0), row(temperature=0.0)])
+    best = max(allowed_ids, key=lambda t: raw[0, t].item())
+    assert s.sample(padded(raw), greedy, mask).token_ids == [best, raw[1].argmax().item()]
+    sampled = s.prepare([row(temperature=2.0), row(temperature=2.0)])
+    seen = {s.sample(padded(raw), sampled, mask).token_ids[0] for _ in range(400)}
+    assert seen == set(allowed_ids)
+
+
+def test_packed_mask_layout_matches_xgrammar():
+    xgr = pytest.importorskip("xgrammar")
+    s = make_sampler()
+    bitmask = xgr.allocate_token_bitmask(1, V)
+    bitmask[0] = torch.tensor([(1 << 3) | -(1 << 31), 1 << 8, 1 << 5], dtype=torch.int32)
+    ours = s.process_logits(torch.zeros(1, PADDED), s.prepare([row()]), bitmask)
+    theirs = torch.zeros(1, PADDED)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=V)
+    assert torch.equal(ours, theirs[:, :V])
+    assert (ours[0] == 0).nonzero().flatten().tolist() == [3, 31, 40, 69]

@@ -1,0 +1,322 @@
+"""Turns a batch of logits into next tokens.
+
+Two steps (STYLE rule 9): `Sampler.prepare(rows)` turns per-request parameters into tensors once per
+batch; `Sampler.sample(logits, batch)` then runs on the device without a host round-trip until the
+chosen ids are read back at the very end.
+
+Processing order, per row: logit_bias -> repetition penalty (prompt + output tokens, HF style) ->
+frequency / presence penalties (output tokens, OpenAI style) -> min_new_tokens blocking of EOS and
+stop_token_ids -> grammar mask. Greedy rows take the argmax of that. Sampled rows then divide by the
+temperature, keep top_k, then top_p of what is left, then min_p, and draw by an exponential race
+(argmax of log p - log E, E ~ Exp(1)), which needs no normalisation and lets every seeded row draw
+its noise from its own generator, so its tokens do not depend on the other rows in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from radixserve.workers.protocol import SamplingParams, TokenLogprob
+
+_NEG_INF = float("-inf")
+_Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, cols, values)
+
+
+@dataclass
+class SamplerRow:
+    """One sequence of the batch, as the engine hands it over (plain data, no tensors)."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # tokens generated so far by this sequence
+    # Created once per sequence from params.seed (Sampler.make_generator); None = the sampler's own.
+    generator: Optional[torch.Generator] = None
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    # One entry per row when any row asked for logprobs (None for rows that did not), else None.
+    logprobs: Optional[list[Optional[TokenLogprob]]] = None
+
+
+@dataclass
+class SamplingBatch:
+    """Tensors for one batch, built by `Sampler.prepare`. Each part is None when no row needs it.
+
+    Row indices address rows of the logits; "local" indices address rows of the sampled subset.
+    """
+
+    size: int
+    plain_greedy: bool = False  # nothing to do but an argmax
+    bias: Optional[_Pairs] = None  # added
+    repetition: Optional[_Pairs] = None  # penalty per (row, token) pair; duplicates are harmless
+    penalty: Optional[_Pairs] = None  # subtracted: freq * count + presence, unique pairs
+    blocked: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, cols) forced to -inf
+    # Sampled rows (temperature > 0 and top_k != 1); None = every row is greedy.
+    sample_rows: Optional[torch.Tensor] = None
+    all_sampled: bool = False
+    temperatures: Optional[torch.Tensor] = None  # [n, 1]
+    top_k_rows: Optional[torch.Tensor] = None  # local rows with top_k only: a topk, no sort
+    top_k: Optional[torch.Tensor] = None  # [len(top_k_rows), 1]
+    top_k_max: int = 0
+    sort_rows: Optional[torch.Tensor] = None  # local rows with top_p < 1: one sort serves k and p
+    sort_top_k: Optional[torch.Tensor] = None  # [len(sort_rows), 1], vocab size when disabled
+    sort_top_p: Optional[torch.Tensor] = None  # [len(sort_rows), 1]
+    log_min_p: Optional[torch.Tensor] = None  # [n, 1], -inf when disabled
+    unseeded_rows: Optional[torch.Tensor] = None  # local rows drawing from the sampler's generator
+    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (local row, generator)
+    # Logprobs
+    logprob_rows: Optional[torch.Tensor] = None
+    logprob_rows_list: list[int] = field(default_factory=list)
+    top_logprobs: list[int] = field(default_factory=list)  # per logprob row
+
+    @property
+    def needs_processing(self) -> bool:
+        return any(p is not None for p in (self.bias, self.repetition, self.penalty, self.blocked))
+
+
+class Sampler:
+    """Samples one token per row. `vocab_size` is the tokenizer's: wider logits are padding and cut."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device="cpu",
+                 seed: Optional[int] = None):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = torch.device(device)
+        self.generator = self.make_generator(seed)
+
+    def make_generator(self, seed: Optional[int]) -> torch.Generator:
+        """The generator a seeded sequence should carry in its SamplerRow (created once per sequence)."""
+        g = torch.Generator(device=self.device)
+        if seed is None:
+            g.seed()
+        else:
+            g.manual_seed(seed)
+        return g
+
+    # ---------------------------------------------------------------- prepare (host, once per batch)
+
+    def prepare(self, rows: list[SamplerRow]) -> SamplingBatch:
+        batch = SamplingBatch(size=len(rows))
+        batch.bias = self._bias_pairs(rows)
+        batch.repetition = self._repetition_pairs(rows)
+        batch.penalty = self._penalty_pairs(rows)
+        batch.blocked = self._blocked_pairs(rows)
+        self._prepare_draw(batch, rows)
+        self._prepare_logprobs(batch, rows)
+        batch.plain_greedy = (batch.sample_rows is None and not batch.needs_processing
+                              and batch.logprob_rows is None)
+        return batch
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _pairs(self, rows: list[int], cols: list[int], values: list[float]) -> Optional[_Pairs]:
+        if not rows:
+            return None
+        return (self._tensor(rows, torch.long), self._tensor(cols, torch.long),
+                self._tensor(values, torch.float32))
+
+    def _in_vocab(self, ids) -> list[int]:
+        return [t for t in ids if 0 <= t < self.vocab_size]
+
+    def _bias_pairs(self, rows: list[SamplerRow]) -> Optional[_Pairs]:
+        r, c, v = [], [], []
+        for i, row in enumerate(rows):
+            for t, b in (row.params.logit_bias or {}).items():
+                if 0 <= t < self.vocab_size:
+                    r.append(i), c.append(t), v.append(b)
+        return self._pairs(r, c, v)
+
+    def _repetition_pairs(self, rows: list[SamplerRow]) -> Optional[_Pairs]:
+        r, c, v = [], [], []
+        for i, row in enumerate(rows):
+            p = row.params.repetition_penalty
+            if p != 1.0:
+                ids = self._in_vocab(row.prompt_ids) + self._in_vocab(row.output_ids)
+                r += [i] * len(ids)
+                c += ids
+                v += [p] * len(ids)
+        return self._pairs(r, c, v)
+
+    def _penalty_pairs(self, rows: list[SamplerRow]) -> Optional[_Pairs]:
+        r, c, v = [], [], []
+        for i, row in enumerate(rows):
+            freq, pres = row.params.frequency_penalty, row.params.presence_penalty
+            if freq == 0.0 and pres == 0.0:
+                continue
+            for t, count in Counter(self._in_vocab(row.output_ids)).items():
+                r.append(i), c.append(t), v.append(freq * count + pres)
+        return self._pairs(r, c, v)
+
+    def _blocked_pairs(self, rows: list[SamplerRow]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        r, c = [], []
+        for i, row in enumerate(rows):
+            if len(row.output_ids) < row.params.min_new_tokens:
+                ids = self._in_vocab(set(self.eos_token_ids) | set(row.params.stop_token_ids))
+                r += [i] * len(ids)
+                c += ids
+        if not r:
+            return None
+        return self._tensor(r, torch.long), self._tensor(c, torch.long)
+
+    def _prepare_draw(self, batch: SamplingBatch, rows: list[SamplerRow]) -> None:
+        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not sampled:
+            return
+        params = [rows[i].params for i in sampled]
+        V = self.vocab_size
+        batch.sample_rows = self._tensor(sampled, torch.long)
+        batch.all_sampled = len(sampled) == len(rows)
+        batch.temperatures = self._tensor([[p.temperature] for p in params], torch.float32)
+        top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
+        k_only = [j for j, p in enumerate(params) if p.top_p >= 1 and top_k[j] < V]
+        if k_only:
+            batch.top_k_rows = self._tensor(k_only, torch.long)
+            batch.top_k = self._tensor([[top_k[j]] for j in k_only], torch.long)
+            batch.top_k_max = max(top_k[j] for j in k_only)
+        by_sort = [j for j, p in enumerate(params) if p.top_p < 1]
+        if by_sort:
+            batch.sort_rows = self._tensor(by_sort, torch.long)
+            batch.sort_top_k = self._tensor([[top_k[j]] for j in by_sort], torch.long)
+            batch.sort_top_p = self._tensor([[params[j].top_p] for j in by_sort], torch.float32)
+        if any(p.min_p > 0 for p in params):
+            batch.log_min_p = self._tensor(
+                [[math.log(p.min_p) if p.min_p > 0 else _NEG_INF] for p in params], torch.float32)
+        gens = [rows[i].generator for i in sampled]
+        batch.seeded = [(j, g) for j, g in enumerate(gens) if g is not None]
+        unseeded = [j for j, g in enumerate(gens) if g is None]
+        if unseeded:
+            batch.unseeded_rows = self._tensor(unseeded, torch.long)
+
+    def _prepare_logprobs(self, batch: SamplingBatch, rows: list[SamplerRow]) -> None:
+        wanted = [i for i, row in enumerate(rows)
+                  if row.params.logprobs or row.params.top_logprobs > 0]
+        if wanted:
+            batch.logprob_rows = self._tensor(wanted, torch.long)
+            batch.logprob_rows_list = wanted
+            batch.top_logprobs = [rows[i].params.top_logprobs for i in wanted]
+
+    # ---------------------------------------------------------------- sample (device)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch,
+               vocab_mask: Optional[torch.Tensor] = None) -> SampleOutput:
+        """logits: [B, V'] with V' >= vocab_size. vocab_mask: bool [B, >=vocab_size] (True = allowed)
+        or xgrammar's packed int32 bitmask [B, ceil(V'/32)] (bit j of word i allows token 32*i+j)."""
+        raw = logits[:, :self.vocab_size]
+        if batch.plain_greedy and vocab_mask is None:
+            return SampleOutput(raw.argmax(-1).tolist())
+        x = self.process_logits(logits, batch, vocab_mask)
+        if batch.all_sampled:
+            tokens = self._draw(x, batch)
+        else:
+            tokens = x.argmax(-1)
+            if batch.sample_rows is not None:
+                picked = self._draw(x.index_select(0, batch.sample_rows), batch)
+                tokens = tokens.index_copy(0, batch.sample_rows, picked)
+        return SampleOutput(tokens.tolist(), self._logprobs(raw, tokens, batch))
+
+    def process_logits(self, logits: torch.Tensor, batch: SamplingBatch,
+                       vocab_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits after bias, penalties, min_new_tokens blocking and the grammar mask, before the
+        temperature. Never modifies `logits`; returns it (cut to the vocab) when there is nothing to do."""
+        x = logits[:, :self.vocab_size]
+        if not batch.needs_processing and vocab_mask is None:
+            return x
+        x = x.to(torch.float32, copy=True)
+        if batch.bias is not None:
+            r, c, v = batch.bias
+            x.index_put_((r, c), v, accumulate=True)
+        if batch.repetition is not None:
+            r, c, p = batch.repetition
+            v = x[r, c]
+            # Pairs may repeat; each copy writes the same value computed from the unpenalised logit.
+            x[r, c] = torch.where(v > 0, v / p, v * p)
+        if batch.penalty is not None:
+            r, c, v = batch.penalty
+            x.index_put_((r, c), -v, accumulate=True)
+        if batch.blocked is not None:
+            x[batch.blocked] = _NEG_INF
+        if vocab_mask is not None:
+            x.masked_fill_(~self._allowed(vocab_mask), _NEG_INF)
+        return x
+
+    def _allowed(self, vocab_mask: torch.Tensor) -> torch.Tensor:
+        V = self.vocab_size
+        if vocab_mask.dtype == torch.bool:
+            return vocab_mask[:, :V]
+        if vocab_mask.dtype != torch.int32:
+            raise TypeError(f"vocab_mask must be bool or packed int32, got {vocab_mask.dtype}")
+        shifts = torch.arange(32, dtype=torch.int32, device=vocab_mask.device)
+        bits = (vocab_mask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: bit 31 still reads right
+        return bits.reshape(vocab_mask.shape[0], -1)[:, :V].bool()
+
+    def _draw(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """x: processed logits of the sampled rows -> sampled token per row (on the device)."""
+        s = x / batch.temperatures
+        if batch.top_k_rows is not None:
+            kept = _keep_top_k(s.index_select(0, batch.top_k_rows), batch.top_k, batch.top_k_max)
+            s.index_copy_(0, batch.top_k_rows, kept)
+        if batch.sort_rows is not None:
+            kept = _keep_top_k_top_p(s.index_select(0, batch.sort_rows), batch.sort_top_k,
+                                     batch.sort_top_p)
+            s.index_copy_(0, batch.sort_rows, kept)
+        if batch.log_min_p is not None:
+            # p_i < min_p * p_max  <=>  s_i - s_max < log(min_p): no softmax needed.
+            s.masked_fill_(s - s.amax(-1, keepdim=True) < batch.log_min_p, _NEG_INF)
+        noise = self._exponential(s.shape, batch)
+        # A zero draw would make -inf - log(0) = nan, which argmax would pick; clamp it away.
+        return (s - noise.clamp_min_(torch.finfo(noise.dtype).tiny).log()).argmax(-1)
+
+    def _exponential(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
+        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        if batch.unseeded_rows is not None:
+            if not batch.seeded:
+                noise.exponential_(generator=self.generator)
+            else:
+                n = batch.unseeded_rows.shape[0]
+                drawn = torch.empty(n, shape[1], device=self.device).exponential_(
+                    generator=self.generator)
+                noise.index_copy_(0, batch.unseeded_rows, drawn)
+        for j, g in batch.seeded:
+            noise[j].exponential_(generator=g)
+        return noise
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor,
+                  batch: SamplingBatch) -> Optional[list[Optional[TokenLogprob]]]:
+        """From the model's own distribution (before bias, penalties, masks and temperature)."""
+        if batch.logprob_rows is None:
+            return None
+        lp = raw.index_select(0, batch.logprob_rows).float().log_softmax(-1)
+        chosen = lp.gather(1, tokens.index_select(0, batch.logprob_rows)[:, None])[:, 0]
+        k = max(batch.top_logprobs)
+        top_v, top_i = lp.topk(k, -1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        out: list[Optional[TokenLogprob]] = [None] * batch.size
+        tok_list, chosen_list = tokens.tolist(), chosen.tolist()
+        for j, (i, n, vals, ids) in enumerate(zip(batch.logprob_rows_list, batch.top_logprobs,
+                                                  top_v.tolist(), top_i.tolist())):
+            out[i] = TokenLogprob(tok_list[i], chosen_list[j], list(zip(ids[:n], vals[:n])))
+        return out
+
+
+def _keep_top_k(s: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Mask all but each row's k largest (ties at the k-th value are kept). k: [n, 1]."""
+    kth = s.topk(k_max, -1).values.gather(1, k - 1)
+    return s.masked_fill(s < kth, _NEG_INF)
+
+
+def _keep_top_k_top_p(s: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Top-k, then the smallest prefix of the rest whose probability reaches p. k, p: [n, 1]."""
+    sorted_s, order = s.sort(-1, descending=True)
+    ranks = torch.arange(s.shape[1], device=s.device)
+    sorted_s = sorted_s.masked_fill(ranks >= k, _NEG_INF)
+    probs = sorted_s.softmax(-1)
+    # Drop a token once the mass strictly before it already reaches p; the best one always stays.
+    sorted_s = sorted_s.masked_fill(probs.cumsum(-1) - probs >= p, _NEG_INF)
+    return torch.empty_like(s).scatter_(-1, order, sorted_s)
