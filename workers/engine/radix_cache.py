@@ -22,7 +22,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Hashable
+from collections.abc import Hashable
 
 from .kv_pool import KVPool
 
