@@ -449,3 +449,12 @@ def test_check_integrity_detects_corruption():
     cache._heap.clear()  # an evictable leaf the eviction heap no longer knows about
     with pytest.raises(AssertionError, match="heap"):
         cache.check_integrity()
+
+
+def test_tensor_keys_and_slots_are_accepted():
+    pool, cache = make()
+    m = cache.match_prefix(torch.tensor([1, 2]))
+    cache.lock(m.node)
+    cache.cache_finished(torch.tensor([1, 2, 3]), torch.tensor(pool.alloc(3)), m.node)
+    assert cache.match_prefix([1, 2, 3]).slots == [1, 2, 3]
+    cache.check_integrity()

@@ -21,10 +21,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .kv_pool import KVPool
+if TYPE_CHECKING:  # the cache is torch-free bookkeeping; the pool is only duck-typed
+    from .kv_pool import KVPool
 
 
 @dataclass
@@ -84,6 +86,10 @@ class _Node:
         self.namespace = namespace  # only meaningful on roots
 
 
+def _as_list(xs) -> list[int]:
+    return xs.tolist() if hasattr(xs, "tolist") else list(xs)
+
+
 def _common_len(a: list[int], b: list[int]) -> int:
     """Length of the common prefix, compared in C-level slices rather than token by token."""
     n = min(len(a), len(b))
@@ -105,7 +111,7 @@ class RadixCache(PrefixCache):
     has its own root, so different namespaces never share nodes.
     """
 
-    def __init__(self, pool: KVPool, page_size: int | None = None):
+    def __init__(self, pool: "KVPool", page_size: int | None = None):
         pool_page = getattr(pool, "page_size", 1)
         self.page_size = pool_page if page_size is None else page_size
         if self.page_size != pool_page:
@@ -176,7 +182,7 @@ class RadixCache(PrefixCache):
         root = self._roots.get(namespace)
         if root is None:
             return MatchResult([], self._roots[None])
-        node, _ = self._walk(root, key)
+        node, _ = self._walk(root, _as_list(key))
         return MatchResult(self._path_slots(node), node)
 
     # ----- locks -----
@@ -228,9 +234,9 @@ class RadixCache(PrefixCache):
         The page-aligned part is inserted; slots duplicating tokens the tree already holds under
         other slot ids, and the unaligned tail, are freed to the pool.
         """
-        slots = list(slots)
+        key, slots = _as_list(key), _as_list(slots)
         n = self._aligned(key, slots)
-        _, dups = self._insert(list(key[:n]), slots[:n], namespace)
+        _, dups = self._insert(key[:n], slots[:n], namespace)
         self.pool.free(dups + slots[n:])
         self.unlock(node)
 
@@ -240,9 +246,9 @@ class RadixCache(PrefixCache):
         Returns slots covering the whole key: the tree's slots for the page-aligned part plus
         the caller's unaligned tail (still owned by the caller), and the node now locked.
         """
-        slots = list(slots)
+        key, slots = _as_list(key), _as_list(slots)
         n = self._aligned(key, slots)
-        new_node, dups = self._insert(list(key[:n]), slots[:n], namespace)
+        new_node, dups = self._insert(key[:n], slots[:n], namespace)
         self.pool.free(dups)
         self.lock(new_node)
         self.unlock(node)
@@ -347,7 +353,7 @@ class RadixCache(PrefixCache):
 class NullCache(PrefixCache):
     """The disabled prefix cache: nothing is ever shared; finished requests free their slots."""
 
-    def __init__(self, pool: KVPool, page_size: int | None = None):
+    def __init__(self, pool: "KVPool", page_size: int | None = None):
         self.pool = pool
 
     def match_prefix(self, key, namespace=None) -> MatchResult:
@@ -360,10 +366,10 @@ class NullCache(PrefixCache):
         pass
 
     def cache_finished(self, key, slots, node, namespace=None) -> None:
-        self.pool.free(list(slots))
+        self.pool.free(_as_list(slots))
 
     def cache_unfinished(self, key, slots, node, namespace=None) -> MatchResult:
-        return MatchResult(list(slots), node)
+        return MatchResult(_as_list(slots), node)
 
     def evict(self, num_tokens: int) -> int:
         return 0
