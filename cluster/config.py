@@ -1,0 +1,168 @@
+"""Server configuration: frozen layers (engine, HTTP, deployment), parsed from YAML or the CLI.
+
+One flat namespace of SGLang-style names (`max_total_tokens`, `port`, `dp`, ...) is what users
+write in a YAML file, on the command line (`--max-total-tokens`) and what `build_app` receives;
+`ServerArgs.from_dict` splits it into the layers each component reads, and rejects unknown names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class HTTPConfig:
+    """What the ingress needs: where it listens and what it accepts."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be >= 1")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """How the Serve application is laid out on the Ray cluster."""
+
+    dp: int = 1  # engine replicas
+    replica_num_cpus: float = 1.0  # Ray CPUs reserved per engine replica
+    ingress_replicas: int = 1
+    ingress_num_cpus: float = 0.0  # the ingress is I/O bound; it must not starve the engines
+    app_name: str = "radixserve"
+    ray_address: Optional[str] = None  # None: RAY_ADDRESS or a new local instance
+    router_policy: Optional[str] = None  # None: Ray Serve's default routing
+
+    def __post_init__(self) -> None:
+        if self.dp < 1:
+            raise ValueError("dp must be >= 1")
+        if self.ingress_replicas < 1:
+            raise ValueError("ingress_replicas must be >= 1")
+        if self.replica_num_cpus < 0 or self.ingress_num_cpus < 0:
+            raise ValueError("num_cpus must be >= 0")
+
+
+LAYERS: dict[str, type] = {"engine": EngineConfig, "http": HTTPConfig, "deployment": DeploymentConfig}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    http: HTTPConfig = field(default_factory=HTTPConfig)
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]] = None) -> "ServerArgs":
+        """Build from one flat dict of field names (hyphens allowed); unknown names are an error."""
+        flat = {str(k).replace("-", "_"): v for k, v in (d or {}).items()}
+        if "dp_size" in flat:
+            flat["dp"] = flat.pop("dp_size")
+        owner = {f.name: layer for layer, c in LAYERS.items() for f in dataclasses.fields(c)}
+        unknown = sorted(set(flat) - set(owner))
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        parts: dict[str, dict[str, Any]] = {layer: {} for layer in LAYERS}
+        for name, value in flat.items():
+            parts[owner[name]][name] = value
+        return cls(**{layer: LAYERS[layer](**kw) for layer, kw in parts.items()})
+
+    @classmethod
+    def from_yaml(cls, path: str, overrides: Optional[dict[str, Any]] = None) -> "ServerArgs":
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of server arguments")
+        return cls.from_dict({**data, **(overrides or {})})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat dict `from_dict` reads (what `build_app` takes)."""
+        out: dict[str, Any] = {}
+        for layer in LAYERS:
+            out.update(dataclasses.asdict(getattr(self, layer)))
+        return out
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `Engine(**kwargs)`."""
+        return dataclasses.asdict(self.engine)
+
+    @property
+    def url(self) -> str:
+        host = self.http.host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else (f"[{host}]" if ":" in host else host)
+        return f"http://{shown}:{self.http.port}"
+
+
+HELP = {
+    "model_path": "HF directory, .gguf file, or unset for the embedded SmolLM2-135M-Instruct",
+    "served_model_name": "the model name clients send (default: derived from the model path)",
+    "dtype": "auto | bfloat16 | float32 | float16",
+    "context_length": "maximum prompt + completion tokens (default: the model's)",
+    "mem_fraction_static": "share of memory for weights and the KV pool",
+    "max_total_tokens": "KV pool size in tokens (wins over --mem-fraction-static)",
+    "max_running_requests": "maximum requests in the running batch per replica",
+    "max_queued_requests": "waiting-queue limit per replica; beyond it requests get 503",
+    "chunked_prefill_size": "prefill chunk size in tokens (-1 disables chunking)",
+    "schedule_policy": " | ".join(SCHEDULE_POLICIES),
+    "disable_radix_cache": "turn prefix caching off",
+    "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health",
+    "dp": "number of engine replicas (data parallel)",
+    "log_level": " | ".join(LOG_LEVELS),
+    "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
+    "router_policy": "replica choice; unset = Ray Serve's default",
+}
+
+
+def _value_type(annotation: str) -> type:
+    """The scalar type of a field annotation written as a string (`Optional[int]` -> int)."""
+    inner = annotation.replace("Optional[", "").rstrip("]")
+    return {"bool": bool, "int": int, "float": float}.get(inner, str)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """One `--flag-name` per field of every layer; defaults stay unset so YAML values can win."""
+    for layer, cls in LAYERS.items():
+        group = parser.add_argument_group(layer)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            names = [flag, "--dp-size"] if f.name == "dp" else [flag]
+            kind = _value_type(str(f.type))  # annotations are strings (postponed evaluation)
+            help_text = HELP.get(f.name, "")
+            if kind is bool:
+                group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=None, help=help_text)
+            else:
+                choices = {"schedule_policy": SCHEDULE_POLICIES, "log_level": LOG_LEVELS}.get(f.name)
+                group.add_argument(*names, dest=f.name, type=kind, default=None, choices=choices,
+                                   help=f"{help_text} (default: {f.default})".strip())
+
+
+def parse_cli(argv: Optional[Sequence[str]] = None) -> ServerArgs:
+    """`radixserve serve` arguments: an optional --config YAML, then flags that override it."""
+    parser = argparse.ArgumentParser(prog="radixserve serve")
+    parser.add_argument("--config", help="YAML file of server arguments (flags override it)")
+    add_cli_args(parser)
+    ns = vars(parser.parse_args(argv))
+    config = ns.pop("config")
+    given = {k: v for k, v in ns.items() if v is not None}
+    try:
+        return ServerArgs.from_yaml(config, given) if config else ServerArgs.from_dict(given)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,106 @@
+"""EngineReplica: one engine as a Ray Serve deployment replica (unified prefill + decode).
+
+Everything crossing the handle is a protocol dict: requests in as `GenerateRequest.to_dict()`,
+chunks out as `OutputChunk.to_dict()`, refusals as `encode_error(...)`. The deployment options
+(replica count, CPUs, request router) are set by cluster/app.py, not here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any, AsyncIterator, Optional
+
+from ray import serve
+
+from radixserve.workers.protocol import (GenerateRequest, InvalidRequest, ModelCard, OutputChunk,
+                                         QueueFull, ReplicaStats, encode_error)
+
+logger = logging.getLogger(__name__)
+
+# Every request a replica holds is one ongoing Serve request; the engine, not Serve, is the
+# queue (max_queued_requests answers 503), so Serve's own per-replica cap must not bind first.
+MAX_ONGOING_REQUESTS = 4096
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (direct use in a test or a script)
+        return f"local-{os.getpid()}"
+
+
+@serve.deployment(name="EngineReplica", max_ongoing_requests=MAX_ONGOING_REQUESTS,
+                  health_check_period_s=10, health_check_timeout_s=60,
+                  graceful_shutdown_timeout_s=5)
+class EngineReplica:
+    def __init__(self, engine_kwargs: dict[str, Any]):
+        from radixserve.workers.engine.engine import Engine  # heavy: torch + the model
+
+        self.engine_kwargs = dict(engine_kwargs)
+        self.engine = Engine(**self.engine_kwargs)
+        self.replica_id = _replica_id()
+        logger.info("engine replica %s ready: %s", self.replica_id, self.engine.served_model_name)
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request: an empty chunk once the engine accepted it, then its chunks.
+
+        A refusal (invalid request, full queue) is sent as an `encode_error` message, even after
+        the acceptance (a grammar fails to compile when scheduled). If the caller goes away
+        (Serve cancels this generator) the request is aborted, so its KV is released.
+        """
+        try:
+            req = GenerateRequest.from_dict(request)
+            stream = self.engine.submit(req)
+        except (InvalidRequest, QueueFull) as e:
+            yield encode_error(e)
+            return
+        finished = False
+        try:
+            yield OutputChunk(rid=req.rid).to_dict()
+            async for chunk in stream:
+                yield chunk.to_dict()
+            finished = True
+        except (InvalidRequest, QueueFull) as e:
+            finished = True  # the engine already dropped it
+            yield encode_error(e)
+        finally:
+            if not finished:
+                self.engine.abort(req.rid)
+
+    async def model_card(self) -> dict[str, Any]:
+        cfg = self.engine.model_config
+        with tempfile.TemporaryDirectory(prefix="radixserve-tok-") as d:
+            self.engine.tokenizer.save_pretrained(d)
+            files = {}
+            for name in sorted(os.listdir(d)):
+                with open(os.path.join(d, name), encoding="utf-8") as f:
+                    files[name] = f.read()
+        # The engine caps a requested context length at the model's (EngineCore does the same).
+        context_length = min(self.engine_kwargs.get("context_length") or cfg.context_length,
+                             cfg.context_length)
+        return ModelCard(served_model_name=self.engine.served_model_name,
+                         model_path=self.engine_kwargs.get("model_path"),
+                         context_length=int(context_length), vocab_size=len(self.engine.tokenizer),
+                         eos_token_ids=[int(t) for t in cfg.eos_token_ids],
+                         tokenizer_files=files).to_dict()
+
+    async def stats(self) -> dict[str, Any]:
+        s = self.engine.replica_stats()
+        s.replica_id = self.replica_id
+        return s.to_dict()
+
+    async def engine_stats(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, **self.engine.stats()}
+
+    async def flush_cache(self) -> bool:
+        return bool(self.engine.flush_cache())
+
+    async def abort(self, rid: str) -> bool:
+        return bool(self.engine.abort(rid))
+
+    def __del__(self) -> None:
+        engine: Optional[Any] = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
