@@ -81,7 +81,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         reqs = self.core.make_reqs(request)  # validates; raises InvalidRequest
         limit = self.config.max_queued_requests
-        if limit is not None and self.core.num_queued() >= limit:
+        if limit is not None and self.num_queued() >= limit:
             raise QueueFull(f"the request queue is full ({limit} requests waiting); retry later")
         with self._lock:
             if request.rid in self._streams:
@@ -90,6 +90,12 @@ class Engine:
             self._streams[request.rid] = stream
         self._inbox.put(("add", reqs))
         return stream
+
+    def num_queued(self) -> int:
+        """Requests submitted and not yet running (in the inbox or the waiting queue)."""
+        with self._lock:
+            in_flight = len(self._streams)
+        return max(in_flight - self.core.num_running(), 0)
 
     def abort(self, rid: str) -> bool:
         """Abort a queued or running request; its KV is released at the next step boundary."""
@@ -164,6 +170,7 @@ class Engine:
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         outs: dict[int, dict[str, Any]] = {}
+        request.stream = True
         async for chunk in self.submit(request):
             out = outs.setdefault(chunk.index, _empty_result(request.rid))
             _merge(out, chunk)

@@ -98,8 +98,8 @@ class EngineCore:
             self.streaming.add(request.rid)
         return reqs
 
-    def num_queued(self) -> int:
-        return len(self.scheduler.waiting)
+    def num_running(self) -> int:
+        return len({r.rid for r in self.scheduler.running})
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -38,6 +38,10 @@ class KVPool:
         shape = (num_slots + page_size, num_kv_heads, head_dim)
         self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Padding entries point at the dummy page and are masked out, but a masked NaN still
+        # poisons `probs @ V` (0 * NaN): keep the dummy page finite.
+        for buf in self.k_buffers + self.v_buffers:
+            buf[:page_size].zero_()
         # Page 0 is the reserved dummy page; pages 1..num_pages are allocatable.
         self._free_pages: deque[int] = deque(range(1, self.num_pages + 1))
         self._page_free = bytearray(self.num_pages + 1)

@@ -1,0 +1,179 @@
+"""The engine end to end on the default model (SmolLM2-135M-Instruct), float32 for exact greedy
+equality with the Hugging Face reference."""
+
+import asyncio
+
+import pytest
+
+from radixserve.workers import Engine
+from radixserve.workers.protocol import GenerateRequest, InvalidRequest, QueueFull, SamplingParams
+from tests.engine_utils import assert_kv_invariant, hf_greedy, wait_idle
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+]
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine(dtype="float32", max_total_tokens=8192, chunked_prefill_size=64)
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    return ids, hf_greedy(engine.core.model_path, ids, GREEDY["max_new_tokens"])
+
+
+@pytest.fixture(autouse=True)
+def invariant(request):
+    yield
+    if "engine" in request.fixturenames:
+        assert_kv_invariant(request.getfixturevalue("engine"))
+
+
+def test_greedy_matches_hf_alone_and_batched(engine, reference):
+    ids, expected = reference
+    engine.flush_cache()
+    alone = [engine.generate(input_ids=i, sampling_params=GREEDY)["output_ids"] for i in ids]
+    assert alone == expected
+    engine.flush_cache()
+    batched = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in batched] == expected
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in batched)
+
+
+def test_text_and_meta_info(engine):
+    out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == len(engine.tokenizer.encode("The capital of France is"))
+    assert meta["completion_tokens"] == len(out["output_ids"]) <= 8
+    assert meta["e2e_latency"] > 0
+
+
+def test_prefix_reuse_reports_cached_tokens_and_same_output(engine):
+    engine.flush_cache()
+    system = "You are a helpful assistant who answers briefly and precisely. " * 8
+    first = engine.generate(system + "What is 2+2?", GREEDY)
+    prefix_len = len(engine.tokenizer.encode(system.rstrip()))
+    second = engine.generate(system + "Name a colour.", GREEDY)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert prefix_len - 2 <= second["meta_info"]["cached_tokens"] <= prefix_len + 1
+    # Reusing the prefix must not change the output.
+    engine.flush_cache()
+    fresh = engine.generate(system + "Name a colour.", GREEDY)
+    assert fresh["output_ids"] == second["output_ids"]
+    assert fresh["meta_info"]["cached_tokens"] == 0
+    # An identical prompt reuses all but its last token.
+    again = engine.generate(system + "Name a colour.", GREEDY)
+    assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"] - 1
+    assert again["output_ids"] == fresh["output_ids"]
+
+
+def test_sampling_seed_reproducible_and_n(engine):
+    p = {"max_new_tokens": 10, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    a = engine.generate("Once upon a time", p)
+    b = engine.generate("Once upon a time", p)
+    assert a["output_ids"] == b["output_ids"]
+    many = engine.generate("Once upon a time", dict(p, n=3))
+    assert len(many) == 3
+    assert many[0]["output_ids"] == a["output_ids"]  # sequence i uses seed + i
+    assert len({tuple(o["output_ids"]) for o in many}) > 1
+
+
+def test_stop_strings_and_stop_token_ids(engine):
+    base = engine.generate("1, 2, 3, 4,", {"max_new_tokens": 12, "temperature": 0})
+    text = base["text"]
+    assert "6" in text
+    out = engine.generate("1, 2, 3, 4,", {"max_new_tokens": 12, "temperature": 0, "stop": ["6"]})
+    assert out["text"] == text[:text.index("6")]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "6"}
+    tok = base["output_ids"][2]
+    out = engine.generate("1, 2, 3, 4,", {"max_new_tokens": 12, "temperature": 0,
+                                          "stop_token_ids": [tok]})
+    assert out["output_ids"] == base["output_ids"][:3]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+
+
+def test_logprobs(engine):
+    out = engine.generate("The capital of France is",
+                          {"max_new_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    lps = out["meta_info"]["output_token_logprobs"]
+    tops = out["meta_info"]["output_top_logprobs"]
+    assert [t for _, t in lps] == out["output_ids"]
+    for (lp, tok), top in zip(lps, tops):
+        assert len(top) == 2 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-4  # greedy = best
+
+
+def test_streaming_deltas_concatenate(engine):
+    async def run():
+        chunks = []
+        async for c in await engine.async_generate("Write a haiku about the sea.",
+                                                   {"max_new_tokens": 12, "temperature": 0}, stream=True):
+            chunks.append(c)
+        return chunks
+
+    chunks = asyncio.run(run())
+    full = engine.generate("Write a haiku about the sea.", {"max_new_tokens": 12, "temperature": 0})
+    assert len(chunks) > 1
+    assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
+
+
+def test_invalid_requests_are_refused(engine):
+    with pytest.raises(InvalidRequest):
+        engine.generate("hi", {"temperature": -1})
+    with pytest.raises(InvalidRequest) as e:
+        engine.generate("hi", {"max_new_tokens": 10**6})
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(InvalidRequest):
+        engine.generate(input_ids=[10**9])
+    with pytest.raises(InvalidRequest):
+        engine.generate("hi", {"bogus": 1})
+
+
+def test_abort_queued_and_running_frees_kv(engine):
+    async def run():
+        long = GenerateRequest(engine.tokenizer.encode("Tell me a long story."),
+                               SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True),
+                               stream=True)
+        s = engine.submit(long)
+        first = await s.__anext__()  # running
+        assert not first.finished
+        assert engine.abort(long.rid)
+        rest = [c async for c in s]
+        return rest[-1]
+
+    last = asyncio.run(run())
+    assert last.finished and last.finish_reason["type"] == "abort"
+    assert last.completion_tokens < 2000
+    wait_idle(engine)
+
+
+def test_queue_limit():
+    e = Engine(dtype="float32", max_total_tokens=2048, max_running_requests=1, max_queued_requests=1)
+    params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
+
+    async def run():
+        a = e.submit(GenerateRequest([1, 2, 3], params, stream=True))
+        await a.__anext__()  # a is running
+        b = e.submit(GenerateRequest([4, 5, 6], params))  # waits in the queue
+        with pytest.raises(QueueFull):
+            e.submit(GenerateRequest([7, 8, 9], params))
+        e.abort(a.rid)
+        e.abort(b.rid)
+        return [c async for c in a], [c async for c in b]
+
+    try:
+        rest_a, rest_b = asyncio.run(run())
+        assert rest_a[-1].finish_reason["type"] == "abort"
+        assert rest_b[-1].finish_reason["type"] == "abort"
+        assert_kv_invariant(e)
+    finally:
+        e.shutdown()
