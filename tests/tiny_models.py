@@ -1,0 +1,94 @@
+"""Tiny random checkpoints for fast tests: Hugging Face layout, loadable by our loader and by
+transformers' AutoModelForCausalLM alike.
+
+    path = make_tiny_checkpoint(tmp_path, arch="qwen3", num_hidden_layers=3)
+
+The weights come from transformers' own model classes (seeded), every 1-D parameter (norm weights,
+biases) is randomized too so that loading them wrongly changes the output, and the tokenizer and
+chat template are SmolLM2's (taken from the converted default model), so vocab_size is 49,152.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+_BASE: dict[str, Any] = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# Llama 3.1-style frequency scaling with an original context short enough that a tiny model's
+# rotary pairs fall in all three bands (kept, blended, stretched).
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def _config(arch: str, overrides: dict[str, Any]):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    if arch not in classes:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {', '.join(classes)}")
+    extra = {"head_dim": 32} if arch == "qwen3" else {}  # Qwen3: head_dim != hidden / heads
+    return classes[arch](**{**_BASE, **extra, **overrides})
+
+
+def smollm2_tokenizer_dir() -> Path:
+    """The converted default model's directory (converting it on first use)."""
+    from radixserve.workers.models.loader import resolve_model_dir
+
+    return resolve_model_dir(None)[0]
+
+
+def make_tiny_checkpoint(
+    tmp_path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    max_shard_size: Optional[str] = None,
+    **overrides: Any,
+) -> str:
+    """Write a tiny random `arch` model ("llama", "mistral", "qwen2", "qwen3") under tmp_path.
+
+    `overrides` are config fields (e.g. num_hidden_layers=3, tie_word_embeddings=True,
+    rope_scaling=LLAMA3_ROPE_SCALING); `max_shard_size` (e.g. "1MB") shards the safetensors.
+    Returns the checkpoint directory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = _config(arch, overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                center = 1.0 if "norm" in name else 0.0
+                param.normal_(center, 0.2)
+    out = Path(tmp_path) / f"tiny-{arch}-{seed}"
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **kwargs)
+    source = smollm2_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+    return str(out)

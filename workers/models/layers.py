@@ -1,0 +1,136 @@
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, fused projections.
+
+Everything runs in the model dtype except the reductions of RMSNorm (float32, as the reference
+implementations do). Fusion of q/k/v and gate/up into one Linear happens here, at load time, so a
+layer issues one GEMM where Hugging Face issues three.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.workers.models.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight over the last dim, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        # torch's fused CPU rms_norm has only a float32 kernel (bf16 falls back to ~8 slow ops),
+        # so upcast once; rounding to the model dtype before the weight matches Hugging Face.
+        out = F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)
+        return out * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table.
+
+    The table holds every position up to `max_positions` in the model dtype, so a forward pass
+    costs one gather per batch (`cos_sin`) and a few elementwise ops per layer (`apply`).
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = rope_inv_freq(head_dim, rope)
+        # Computed on the CPU even while the model is being built under torch.device("meta").
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq)
+        # Plain attributes, not buffers: they are derived, never loaded or saved.
+        self.cos = freqs.cos().to(dtype=dtype, device=device)
+        self.sin = freqs.sin().to(dtype=dtype, device=device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> cos, sin of shape [T, 1, head_dim // 2], broadcastable over heads."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} is beyond the context length {self.cos.shape[0]}")
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] -> rotated copy."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies per rotary pair, with linear or Llama-3 frequency scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Llama 3.1: wavelengths longer than the original context are stretched by `factor`,
+    # shorter than original/high_freq_factor are kept, and the band between is interpolated.
+    old_len = rope.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    long_wavelen = old_len / rope.low_freq_factor
+    short_wavelen = old_len / rope.high_freq_factor
+    scaled = torch.where(wavelen > long_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    in_band = (wavelen >= short_wavelen) & (wavelen <= long_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+class FusedLinear(nn.Module):
+    """One Linear whose output rows are the concatenation of several checkpoint Linears.
+
+    `shard_sizes` are the output sizes of the parts in order (q, k, v or gate, up);
+    `load_shard(i, w)` copies checkpoint part i into its rows.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.shard_sizes = list(shard_sizes)
+        self.offsets = [0]
+        for n in self.shard_sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        out = self.offsets[-1]
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, index: int, param_name: str, tensor: torch.Tensor) -> None:
+        target = self.weight if param_name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {param_name} that this layer does not expect")
+        lo, hi = self.offsets[index], self.offsets[index + 1]
+        if tuple(tensor.shape) != (hi - lo, *target.shape[1:]):
+            raise ValueError(f"shard {index} {param_name}: shape {tuple(tensor.shape)} != {(hi - lo, *target.shape[1:])}")
+        with torch.no_grad():
+            target[lo:hi].copy_(tensor)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+    layer.requires_grad_(False)
+    return layer

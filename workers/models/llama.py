@@ -1,0 +1,153 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) over the paged KV pool.
+
+Parameter names follow the Hugging Face checkpoints (`model.layers.N.self_attn...`) except the
+fused projections: q/k/v become `qkv_proj` and gate/up become `gate_up_proj`; `load_weights` maps
+checkpoint names onto them. `forward(batch, kv_pool)` returns float32 logits for the rows
+`batch.logits_indices` only.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.kernels.attention import AttentionBackend
+from radixserve.workers.engine.forward_batch import ForwardBatch
+from radixserve.workers.models.config import ModelConfig
+from radixserve.workers.models.layers import FusedLinear, RMSNorm, RotaryEmbedding, linear, silu_and_mul
+
+# checkpoint leaf module -> (our fused module, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend):
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.backend = backend
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.qkv_proj = FusedLinear(c.hidden_size, [c.q_size, c.kv_size, c.kv_size], c.qkv_bias, c.dtype)
+        self.o_proj = linear(c.q_size, c.hidden_size, c.o_bias, c.dtype)
+
+    def forward(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, kv_pool) -> torch.Tensor:
+        tokens = x.shape[0]
+        qk_heads = self.num_heads + self.num_kv_heads
+        heads = self.qkv_proj(x).view(tokens, qk_heads + self.num_kv_heads, self.head_dim)
+        # q and k heads are adjacent, so one rotary call covers both.
+        qk = RotaryEmbedding.apply(self.prepare_qk(heads[:, :qk_heads]), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = heads[:, qk_heads:]
+        out = self.backend.forward(q, k, v, self.layer_id, batch, kv_pool)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def prepare_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Hook before rotary on the [T, H + KVH, D] q|k heads (Qwen3 normalizes them here)."""
+        return qk
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.gate_up_proj = FusedLinear(c.hidden_size, [c.intermediate_size] * 2, c.mlp_bias, c.dtype)
+        self.down_proj = linear(c.intermediate_size, c.hidden_size, c.mlp_bias, c.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend, attention_cls):
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_id, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, h: torch.Tensor, cos, sin, batch: ForwardBatch, kv_pool) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, attention_cls):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend, attention_cls) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build under `torch.device("meta")`, then `to_empty(device=...)` and `load_weights(...)`."""
+
+    attention_cls = LlamaAttention
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary_device="cpu"):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.model = LlamaModel(config, backend, self.attention_cls)
+        self.lm_head = None if config.tie_word_embeddings else linear(config.hidden_size, config.vocab_size, False, config.dtype)
+        # Explicit device: the table is computed now, even when the module is built on meta.
+        self.rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope, config.dtype, rotary_device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool) -> torch.Tensor:
+        self.backend.prepare(batch)
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        h = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, batch, kv_pool)
+        # RMSNorm is per row, so normalizing only the sampled rows is exact and saves the LM head
+        # (the largest GEMM of a small model) from running on every prefill token.
+        h = self.model.norm(h[batch.logits_indices])
+        return F.linear(h, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) in; raise if any parameter is left unset."""
+        params = dict(self.named_parameters())
+        expected = set(params)
+        fused_loaded: set[tuple[str, int, str]] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            *path, leaf, kind = name.split(".")
+            if leaf in _FUSED:
+                fused, index = _FUSED[leaf]
+                module_name = ".".join([*path, fused])
+                self.get_submodule(module_name).load_shard(index, kind, tensor)
+                fused_loaded.add((module_name, index, kind))
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            expected.discard(name)
+        for name in list(expected):
+            module_name, kind = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            if isinstance(module, FusedLinear) and all(
+                (module_name, i, kind) in fused_loaded for i in range(len(module.shard_sizes))
+            ):
+                expected.discard(name)
+        if expected:
+            raise ValueError(f"checkpoint is missing tensors: {sorted(expected)[:8]}")

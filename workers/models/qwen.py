@@ -1,0 +1,39 @@
+"""Qwen2 and Qwen3 decoders: the Llama decoder with their two differences.
+
+Qwen2 adds biases on the q/k/v projections (ModelConfig.qkv_bias, set for this architecture).
+Qwen3 drops those biases but normalizes every q and k head with an RMSNorm before rotary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.workers.models.config import ModelConfig
+from radixserve.workers.models.layers import RMSNorm
+from radixserve.workers.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, layer_id: int, backend):
+        super().__init__(config, layer_id, backend)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype)
+
+    def prepare_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        # One float32 normalization over all q|k heads, then each head's own weight.
+        normed = torch.nn.functional.rms_norm(qk.float(), (self.head_dim,), None, self.q_norm.eps).to(qk.dtype)
+        weight = torch.cat(
+            (
+                self.q_norm.weight.expand(self.num_heads, -1),
+                self.k_norm.weight.expand(self.num_kv_heads, -1),
+            )
+        )
+        return normed * weight
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention
