@@ -127,12 +127,9 @@ class Sampler:
         return [t for t in ids if 0 <= t < self.vocab_size]
 
     def _bias_pairs(self, rows: list[SamplerRow]) -> Optional[_Pairs]:
-        r, c, v = [], [], []
-        for i, row in enumerate(rows):
-            for t, b in (row.params.logit_bias or {}).items():
-                if 0 <= t < self.vocab_size:
-                    r.append(i), c.append(t), v.append(b)
-        return self._pairs(r, c, v)
+        triples = [(i, t, b) for i, row in enumerate(rows)
+                   for t, b in (row.params.logit_bias or {}).items() if 0 <= t < self.vocab_size]
+        return self._pairs(*map(list, zip(*triples))) if triples else None
 
     def _repetition_pairs(self, rows: list[SamplerRow]) -> Optional[_Pairs]:
         r, c, v = [], [], []
@@ -146,14 +143,13 @@ class Sampler:
         return self._pairs(r, c, v)
 
     def _penalty_pairs(self, rows: list[SamplerRow]) -> Optional[_Pairs]:
-        r, c, v = [], [], []
+        triples = []
         for i, row in enumerate(rows):
             freq, pres = row.params.frequency_penalty, row.params.presence_penalty
-            if freq == 0.0 and pres == 0.0:
-                continue
-            for t, count in Counter(self._in_vocab(row.output_ids)).items():
-                r.append(i), c.append(t), v.append(freq * count + pres)
-        return self._pairs(r, c, v)
+            if freq != 0.0 or pres != 0.0:
+                counts = Counter(self._in_vocab(row.output_ids))
+                triples += [(i, t, freq * n + pres) for t, n in counts.items()]
+        return self._pairs(*map(list, zip(*triples))) if triples else None
 
     def _blocked_pairs(self, rows: list[SamplerRow]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         r, c = [], []
