@@ -31,6 +31,17 @@ def _replica_id() -> str:
         return f"local-{os.getpid()}"
 
 
+def tokenizer_files(tokenizer: Any) -> dict[str, str]:
+    """A Hugging Face tokenizer as {file name: text}, for `ModelCard.tokenizer_files`."""
+    with tempfile.TemporaryDirectory(prefix="radixserve-tok-") as d:
+        tokenizer.save_pretrained(d)
+        files = {}
+        for name in sorted(os.listdir(d)):
+            with open(os.path.join(d, name), encoding="utf-8") as f:
+                files[name] = f.read()
+    return files
+
+
 @serve.deployment(name="EngineReplica", max_ongoing_requests=MAX_ONGOING_REQUESTS,
                   health_check_period_s=10, health_check_timeout_s=60,
                   graceful_shutdown_timeout_s=5)
@@ -71,12 +82,6 @@ class EngineReplica:
 
     async def model_card(self) -> dict[str, Any]:
         cfg = self.engine.model_config
-        with tempfile.TemporaryDirectory(prefix="radixserve-tok-") as d:
-            self.engine.tokenizer.save_pretrained(d)
-            files = {}
-            for name in sorted(os.listdir(d)):
-                with open(os.path.join(d, name), encoding="utf-8") as f:
-                    files[name] = f.read()
         # The engine caps a requested context length at the model's (EngineCore does the same).
         context_length = min(self.engine_kwargs.get("context_length") or cfg.context_length,
                              cfg.context_length)
@@ -84,7 +89,7 @@ class EngineReplica:
                          model_path=self.engine_kwargs.get("model_path"),
                          context_length=int(context_length), vocab_size=len(self.engine.tokenizer),
                          eos_token_ids=[int(t) for t in cfg.eos_token_ids],
-                         tokenizer_files=files).to_dict()
+                         tokenizer_files=tokenizer_files(self.engine.tokenizer)).to_dict()
 
     async def stats(self) -> dict[str, Any]:
         s = self.engine.replica_stats()
