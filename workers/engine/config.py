@@ -30,6 +30,7 @@ class EngineConfig:
     random_seed: int = 0
     num_threads: Optional[int] = None  # torch intra-op threads; None = all cores
     grammar_compile_timeout_s: float = 10.0
+    enable_jump_forward: bool = True  # append grammar-forced tokens without a decode step each
     stream_interval: int = 1  # stream every N tokens
 
     def __post_init__(self) -> None:

@@ -189,7 +189,7 @@ class Engine:
         torch.set_grad_enabled(False)
         while True:
             try:
-                if not self._drain_inbox(block=not self.core.has_work()):
+                if not self._drain_inbox(self.core.idle_timeout()):
                     break
                 delivered = self.core.step()
             except Exception as exc:  # a bug must not hang every client: fail them all loudly
@@ -198,13 +198,14 @@ class Engine:
             self._deliver(delivered)
         self._deliver(self.core.fail_all("engine shut down"))
 
-    def _drain_inbox(self, block: bool) -> bool:
+    def _drain_inbox(self, timeout: Optional[float]) -> bool:
+        """Run pending commands; wait up to `timeout` for the first one (None: do not wait)."""
         while True:
             try:
-                cmd, arg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                cmd, arg = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
             except queue.Empty:
                 return True
-            block = False
+            timeout = None
             if cmd == "stop":
                 return False
             if cmd == "add":

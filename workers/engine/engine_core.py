@@ -11,6 +11,7 @@ import torch
 
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.detokenizer import IncrementalDetokenizer
+from radixserve.workers.engine.grammar import GrammarBackend, apply_bitmask, jump_forward_tokens
 from radixserve.workers.engine.kv_pool import KVPool, ReqToTokenPool, max_tokens_for_memory
 from radixserve.workers.engine.model_runner import ModelRunner
 from radixserve.workers.engine.output_processor import OutputProcessor
@@ -27,6 +28,8 @@ logger = logging.getLogger("radixserve.engine")
 # Without --mem-fraction-static or --max-total-tokens a CPU replica takes this share of memory for
 # weights + KV (GPU servers default higher; CPU hosts share memory with everything else).
 DEFAULT_CPU_MEM_FRACTION = 0.2
+IDLE_POLL_S = 0.5
+GRAMMAR_POLL_S = 0.002  # while only grammar compiles are pending
 
 
 class EngineCore:
@@ -52,11 +55,24 @@ class EngineCore:
         self.vocab_size = len(self.tokenizer)
         self.sampler = Sampler(self.vocab_size, mc.eos_token_ids, seed=config.random_seed)
         self.outputs = OutputProcessor(mc.eos_token_ids, self.context_length, config.stream_interval)
+        self._grammars: Optional[GrammarBackend] = None
+        self.grammar_wait: list[tuple[Any, list[Req]]] = []  # (compile future, sequences)
         self.streaming: set[str] = set()
         self.by_rid: dict[str, list[Req]] = {}
         self.timing = StepStats()
         self.counters = dict(prompt_tokens_total=0, cached_tokens_total=0, computed_tokens_total=0,
-                             generation_tokens_total=0, num_requests_total=0, num_aborted_total=0)
+                             generation_tokens_total=0, num_requests_total=0, num_aborted_total=0,
+                             jump_forward_tokens_total=0)
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """Built on first use: making xgrammar's view of the vocabulary takes a moment."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend(
+                self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                compile_timeout_s=self.config.grammar_compile_timeout_s)
+            self._bitmask = self._grammars.allocate_bitmask(self.config.max_running_requests + 1)
+        return self._grammars
 
     def _pool_tokens(self, loaded: Any) -> int:
         mc = loaded.config
@@ -86,7 +102,7 @@ class EngineCore:
             raise InvalidRequest(f"the prompt ({len(ids)} tokens) does not fit in the KV cache "
                                  f"({self.pool.size} tokens)", "prompt", code="context_length_exceeded")
         if p.grammar is not None:
-            raise InvalidRequest("constrained decoding is not available in this engine", p.grammar[0])
+            self.grammars.validate(*p.grammar)  # malformed grammars: 400 before queueing
         reqs = []
         for i in range(p.n):
             req = Req(request.rid, i, list(ids), p, request.namespace)
@@ -102,7 +118,7 @@ class EngineCore:
         return len({r.rid for r in self.scheduler.running})
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.grammar_wait)
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
@@ -114,8 +130,41 @@ class EngineCore:
     # Engine thread ---------------------------------------------------------------------------
     def add(self, reqs: list[Req]) -> None:
         self.by_rid[reqs[0].rid] = reqs
+        grammar = reqs[0].params.grammar
+        if grammar is not None:
+            # Compiles run off this thread; the request waits in the grammar queue meanwhile.
+            self.grammar_wait.append((self.grammars.submit(*grammar), reqs))
+            return
         for r in reqs:
             self.scheduler.add(r)
+
+    def idle_timeout(self) -> Optional[float]:
+        """How long the loop may block for new commands: not at all while there is work."""
+        if self.scheduler.has_work():
+            return None
+        return GRAMMAR_POLL_S if self.grammar_wait else IDLE_POLL_S
+
+    def _poll_grammars(self, out: list) -> None:
+        still = []
+        for fut, reqs in self.grammar_wait:
+            if all(r.aborted for r in reqs):
+                for r in reqs:
+                    r.status = ReqStatus.FINISHED
+                    self._finish(r, out)
+            elif not fut.done():
+                still.append((fut, reqs))
+            elif fut.exception() is not None:
+                for r in reqs:
+                    r.status = ReqStatus.FINISHED
+                self.by_rid.pop(reqs[0].rid, None)
+                self.streaming.discard(reqs[0].rid)
+                out.append((reqs[0].rid, fut.exception()))
+            else:
+                first = self.grammars.new_matcher(fut.result())
+                for i, r in enumerate(reqs):
+                    r.grammar = first if i == 0 else first.copy()
+                    self.scheduler.add(r)
+        self.grammar_wait = still
 
     def abort(self, rid: str) -> None:
         for r in self.by_rid.get(rid, ()):
@@ -131,6 +180,8 @@ class EngineCore:
     def step(self) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
         t0 = time.perf_counter()
+        if self.grammar_wait:
+            self._poll_grammars(out)
         for req in self.scheduler.take_aborted():
             req.finish("abort", message="aborted")
             self._finish(req, out)
@@ -153,6 +204,8 @@ class EngineCore:
                 req.finish("length")
         for k, (_, req) in enumerate(sampled):
             self.outputs.append_token(req, tokens[k], logprobs[k] if logprobs else None)
+            if req.grammar is not None and req.finish_reason is None and self.config.enable_jump_forward:
+                self._jump_forward(req)
         self.counters["generation_tokens_total"] += len(sampled)
         for req, m in zip(plan.reqs, plan.sample_mask):
             if req.finish_reason is not None and req.status is ReqStatus.RUNNING:
@@ -171,10 +224,25 @@ class EngineCore:
             return [], None
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows)]
+        constrained = [k for k, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            for k in constrained:
+                reqs[k].grammar.fill_bitmask(self._bitmask, k)
+            apply_bitmask(logits, self._bitmask, constrained)
         batch = self.sampler.prepare([SamplerRow(r.params, r.origin_input_ids, r.output_ids,
                                                  r.generator) for r in reqs])
         result = self.sampler.sample(logits, batch)
         return result.token_ids, result.logprobs
+
+    def _jump_forward(self, req: Req) -> None:
+        """Append the tokens the grammar forces; the next step computes them all in one extend
+        instead of one decode step each."""
+        forced = jump_forward_tokens(self.tokenizer, req.grammar, req.output_ids[-1])
+        for token in forced[:req.max_new_remaining]:
+            self.outputs.append_token(req, token, None, accepted=True)
+            self.counters["jump_forward_tokens_total"] += 1
+            if req.finish_reason is not None:
+                break
 
     def _finish(self, req: Req, out: list) -> None:
         """Release a finished or aborted sequence and emit its final chunk."""
@@ -205,4 +273,5 @@ class EngineCore:
                         self.scheduler.release(req)
                     self._finish(req, out)
         self.scheduler.waiting.clear()
+        self.grammar_wait.clear()
         return out

@@ -27,7 +27,8 @@ class OutputProcessor:
         self.stream_interval = stream_interval
         self.pending: dict[str, PendingOutput] = {}
 
-    def append_token(self, req: Req, token: int, logprob: Optional[TokenLogprob]) -> None:
+    def append_token(self, req: Req, token: int, logprob: Optional[TokenLogprob],
+                     accepted: bool = False) -> None:
         """Record one sampled token and finish the sequence if a token-level stop condition holds."""
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
@@ -38,8 +39,8 @@ class OutputProcessor:
             if out.logprobs is None:
                 out.logprobs = []
             out.logprobs.append(logprob)
-        if req.grammar is not None:
-            req.grammar.accept_token(token)
+        if req.grammar is not None and not accepted and not req.grammar.accept_token(token):
+            req.finish("abort", message=f"internal error: token {token} violates the grammar")
         self._check_token_finish(req, token)
         text, matched = req.detokenizer.add([token])
         out.text += text
