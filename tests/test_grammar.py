@@ -184,7 +184,7 @@ def test_compile_once_for_identical_grammars(tok):
 def test_submit_returns_at_once_and_compiles_off_thread(tok):
     backend = GrammarBackend(tok, len(tok))
     started = time.perf_counter()
-    future = backend.submit("regex", '[^"]{0,1500}')
+    future = backend.submit("regex", "[a-z]{1,300}")
     assert time.perf_counter() - started < 0.05
     assert not future.done()
     gaps, last = [], time.perf_counter()
@@ -199,13 +199,15 @@ def test_submit_returns_at_once_and_compiles_off_thread(tok):
 
 def test_compile_timeout_is_refused_and_others_keep_being_served(tok):
     backend = GrammarBackend(tok, len(tok), max_threads=1, compile_timeout_s=0.15)
-    slow = backend.submit("regex", '[^"]{0,3000}')
+    started = time.perf_counter()
+    slow = backend.submit("regex", '[^"]{0,3000}')  # seconds to compile
     queued = backend.submit("regex", "(yes|no)")  # behind the slow one on the only thread
     with pytest.raises(InvalidRequest) as err:
         slow.result(timeout=5)
     assert err.value.code == "grammar_compile_timeout" and err.value.param == "regex"
     assert "longer than 0.15s to compile" in err.value.message
     assert queued.result(timeout=5) is not None  # the slot was freed despite the stuck thread
+    assert time.perf_counter() - started < 1.0
     again = backend.submit("regex", '[^"]{0,3000}')
     assert again.done() and isinstance(again.exception(), InvalidRequest)
     stats = backend.stats()
@@ -267,7 +269,8 @@ def test_random_walks_validate_against_schema(backend, tok, texts, name):
 
 def test_json_object_walks_give_objects(backend, tok, texts):
     for seed in range(3):
-        assert isinstance(json.loads(walk(backend, tok, texts, "json_object", "", seed)), dict)
+        out = walk(backend, tok, texts, "json_object", "", seed, patience=15)
+        assert isinstance(json.loads(out), dict)
 
 
 @pytest.mark.parametrize("pattern", [r"(yes|no)", r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)",
