@@ -1,0 +1,366 @@
+"""The live server: one Ray instance and one Serve app (the real engine, the default model) for
+the whole module, driven with the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from radixserve.cluster.app import build_app
+
+KEY = "sk-test-key"
+MAX_BODY = 256 * 1024
+KV_TOTAL = 4096
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"max_total_tokens": KV_TOTAL, "num_threads": 2, "api_key": KEY,
+                         "max_request_bytes": MAX_BODY, "max_running_requests": 64}),
+              name="radixserve", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(url):
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def replica(http) -> dict:
+    (r,) = http.get("/get_server_info").json()["replicas"]
+    return r
+
+
+def wait_idle(http, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = replica(http)
+        if r["running"] == 0 and r["queued"] == 0 and r["kv_protected"] == 0:
+            assert r["kv_free"] + r["kv_evictable"] == r["kv_total"] == KV_TOTAL, r
+            return r
+        assert time.monotonic() < deadline, f"not idle after {timeout}s: {r}"
+        time.sleep(0.1)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# Happy paths -----------------------------------------------------------------------------------
+def test_model_and_server_info(http, model):
+    assert model == "SmolLM2-135M-Instruct"
+    info = http.get("/get_model_info").json()
+    assert (info["served_model_name"], info["context_length"], info["vocab_size"]) == (
+        model, 8192, 49152)
+    r = replica(http)
+    assert set(r) >= {"replica_id", "running", "queued", "kv_total", "kv_free", "kv_evictable",
+                      "kv_protected"}
+    assert http.get("/get_server_info").json()["api_key"] == "***"
+    assert http.get("/health_generate").status_code == 200
+
+
+def test_chat_stream_equals_non_stream(client, model):
+    kw = dict(model=model, messages=user("Name three colors."), max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 12 or full.choices[0].finish_reason == "stop"
+    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_with_logprobs_stream_and_not(client, model):
+    kw = dict(model=model, prompt="The quick brown fox", max_tokens=6, temperature=0, logprobs=2)
+    full = client.completions.create(**kw)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == full.choices[0].text
+    assert all(len(t) == 2 and max(t.values()) <= 0 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    parts = list(client.completions.create(**kw, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == full.choices[0].text
+    assert [t for p in parts if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens] == lp.tokens
+
+
+def test_chat_logprobs_shape(client, model):
+    r = client.chat.completions.create(model=model, messages=user("Hi"), max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for c in content:
+        assert len(c.top_logprobs) == 3 and bytes(c.bytes).decode("utf-8", "replace") == c.token
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob
+
+
+def test_shared_system_prompt_is_cached(client, model, http):
+    system = f"[{uuid.uuid4().hex}] You are a meticulous librarian. " + " ".join(
+        f"Rule {i}: always cite the shelf number and the year of print." for i in range(40))
+    prefix = len(http.post("/v1/tokenize", json={"prompt": system}).json()["tokens"])
+    assert prefix > 400
+    usages = []
+    for question in ("Where is the atlas?", "Who wrote Hamlet?"):
+        r = client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+        usages.append(r.usage)
+    assert usages[0].prompt_tokens_details.cached_tokens < 8  # only the template's "<|im_start|>system"
+    cached = usages[1].prompt_tokens_details.cached_tokens
+    assert prefix <= cached < usages[1].prompt_tokens, (prefix, cached, usages[1].prompt_tokens)
+
+
+def test_n_choices_and_seed(client, model):
+    kw = dict(model=model, messages=user("Say a word."), max_tokens=5, temperature=1.0, n=3,
+              seed=11, extra_body={"ignore_eos": True})
+    client.chat.completions.create(**kw)  # warm the cache: both runs below see the same prefix
+    a = client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert a.usage.completion_tokens == 15
+    streamed = list(client.chat.completions.create(**kw, stream=True))
+    per_choice = {i: "".join(c.choices[0].delta.content or "" for c in streamed
+                             if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert [per_choice[i] for i in range(3)] == [c.message.content for c in a.choices]
+    assert len(set(per_choice.values())) > 1  # three samples, not one repeated
+
+
+def test_stop_string_cuts_the_output(client, model):
+    kw = dict(model=model, prompt="List the numbers: one, two, three,", max_tokens=16,
+              temperature=0)
+    text = client.completions.create(**kw).choices[0].text
+    words = re.findall(r"\w+", text)
+    assert len(words) >= 3, text
+    stop = words[2]
+    cut = client.completions.create(**kw, stop=[stop, "zzzz"]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    assert cut.model_extra["matched_stop"] == stop
+
+
+async def test_64_concurrent_requests_exact_token_counts(url, model, http):
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0,
+                                  timeout=300) as aclient:
+        rs = await asyncio.gather(*(aclient.chat.completions.create(
+            model=model, messages=user(f"Count to {i}."), max_tokens=16, temperature=0.7,
+            extra_body={"ignore_eos": True}) for i in range(64)))
+    assert [r.usage.completion_tokens for r in rs] == [16] * 64
+    assert {r.choices[0].finish_reason for r in rs} == {"length"}
+    wait_idle(http)
+
+
+def test_native_generate(http):
+    r = http.post("/generate", json={"text": "The capital of France is",
+                                     "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+                                     "return_logprob": True, "top_logprobs_num": 2}).json()
+    meta = r["meta_info"]
+    assert len(r["output_ids"]) == meta["completion_tokens"] == 5
+    assert meta["finish_reason"]["type"] == "length" and meta["prompt_tokens"] > 0
+    assert meta["cached_tokens"] >= 0 and meta["e2e_latency"] > 0
+    assert [x[1] for x in meta["output_token_logprobs"]] == r["output_ids"]
+    ids = http.post("/v1/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    again = http.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0}}).json()
+    assert again["output_ids"] == r["output_ids"] and again["meta_info"]["cached_tokens"] > 0
+    with http.stream("POST", "/generate", json={"input_ids": ids, "stream": True, "sampling_params": {
+            "max_new_tokens": 5, "temperature": 0}}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["text"] == r["text"] and last["output_ids"] == r["output_ids"]
+    assert http.post("/v1/detokenize", json={"tokens": r["output_ids"]}).json()["text"] == r["text"]
+
+
+def test_metrics_counters_move(http, client, model):
+    def scrape() -> dict[str, float]:
+        """Each radixserve series summed over its labels."""
+        out: dict[str, float] = {}
+        for m in re.finditer(r"^(radixserve:\w+)\{[^}]*\} (\S+)$", http.get("/metrics").text, re.M):
+            out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+        return out
+
+    before = scrape()
+    r = client.completions.create(model=model, prompt="Metrics please", max_tokens=7,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    after = scrape()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["radixserve:num_requests_total"] == 1
+    assert delta["radixserve:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert delta["radixserve:generation_tokens_total"] == 7
+    assert delta["radixserve:cached_tokens_total"] == r.usage.prompt_tokens_details.cached_tokens
+    assert delta["radixserve:time_to_first_token_seconds_count"] == 1
+    assert delta["radixserve:inter_token_latency_seconds_count"] == 6
+    assert after["radixserve:num_running_reqs"] == 0
+
+
+def test_flush_cache_and_abort_request(http, client, model):
+    wait_idle(http)
+    assert http.post("/flush_cache").json()["success"] is True
+    assert replica(http)["kv_evictable"] == 0
+    rid = f"abort-me-{uuid.uuid4().hex}"
+    with http.stream("POST", "/v1/completions", json={
+            "prompt": "Write a long story.", "max_tokens": 3000, "stream": True, "rid": rid,
+            "ignore_eos": True}) as s:
+        lines = s.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert http.post("/abort_request", json={"rid": rid}).json() == {"rid": rid, "aborted": True}
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    wait_idle(http)
+
+
+# Errors ----------------------------------------------------------------------------------------
+def error_of(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": user("x"), "temperature": "hot"}, "temperature"),
+    ({"messages": user("x"), "temperature": -0.5}, "temperature"),
+    ({"messages": user("x"), "top_p": 1.5}, "top_p"),
+    ({"messages": user("x"), "n": 0}, "n"),
+    ({"messages": user("x"), "max_tokens": -1}, "max_tokens"),
+    ({"messages": user("x"), "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ({"messages": user("x"), "stop": [""]}, "stop"),
+    ({"messages": user("x"), "frequency_penalty": 9}, "frequency_penalty"),
+    ({"messages": user("x"), "logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"messages": user("x"), "bogus": 1}, "bogus"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+])
+def test_invalid_parameters_are_400(http, body, param):
+    err = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert (err["type"], err["param"]) == ("invalid_request_error", param)
+
+
+def test_malformed_bodies_are_400(http):
+    for content in (b"{not json", b"", b"[1, 2]", b"\xff\xfe"):
+        err = error_of(http.post("/v1/completions", content=content,
+                                 headers={"Content-Type": "application/json"}), 400)
+        assert err["type"] == "invalid_request_error"
+    err = error_of(http.post("/generate", json={"text": "a", "sampling_params": {"top_k": 0}}), 400)
+    assert err["param"] == "top_k"
+
+
+def test_context_length_exceeded(http, client, model):
+    err = error_of(http.post("/v1/chat/completions", json={"messages": user("x"),
+                                                           "max_tokens": 8190}), 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "max_tokens")
+    long_prompt = list(range(100, 100 + 8192))
+    err = error_of(http.post("/v1/completions", json={"prompt": long_prompt}), 400)
+    assert err["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=9000)
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(http, client):
+    err = error_of(http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": user("x")}), 404)
+    assert (err["code"], err["param"]) == ("model_not_found", "model")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=user("x"))
+
+
+def test_api_key(url):
+    with httpx.Client(base_url=url, timeout=30) as anon:
+        assert anon.get("/health").status_code == 200
+        err = error_of(anon.get("/v1/models"), 401)
+        assert err["code"] == "invalid_api_key"
+        error_of(anon.post("/v1/completions", json={"prompt": "x"},
+                           headers={"Authorization": f"Bearer {KEY}x"}), 401)
+        error_of(anon.get("/metrics", headers={"Authorization": KEY}), 401)  # no "Bearer "
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_oversized_body_is_413(http):
+    big = {"prompt": "a " * (MAX_BODY // 2 + 10)}
+    err = error_of(http.post("/v1/completions", json=big), 413)
+    assert err["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit holds while the body streams in
+        for _ in range(MAX_BODY // 4096 + 2):
+            yield b" " * 4096
+    error_of(http.post("/v1/completions", content=chunks(),
+                       headers={"Content-Type": "application/json"}), 413)
+
+
+# Disconnects and failures ---------------------------------------------------------------------------
+def test_disconnect_mid_stream_aborts(http):
+    wait_idle(http)
+    aborted = replica(http)["num_aborted_total"]
+    with http.stream("POST", "/v1/chat/completions", json={
+            "messages": user("Tell me a very long story."), "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}) as s:
+        lines = s.iter_lines()
+        for _ in range(5):
+            next(line for line in lines if line.startswith("data: "))
+        assert replica(http)["running"] == 1
+    wait_idle(http, timeout=5)
+    assert replica(http)["num_aborted_total"] == aborted + 1
+
+
+def test_disconnect_while_waiting_for_a_full_response_aborts(url, http):
+    wait_idle(http)
+    aborted = replica(http)["num_aborted_total"]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={"prompt": "A long story:", "max_tokens": 3000,
+                                            "ignore_eos": True}, timeout=2.0)
+    wait_idle(http, timeout=5)
+    assert replica(http)["num_aborted_total"] == aborted + 1
+
+
+def test_replica_failure_mid_stream_is_an_in_band_error(http):
+    """Last in the module: it kills the engine replica (Serve starts a new one)."""
+    with http.stream("POST", "/v1/completions", json={
+            "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}) as s:
+        assert s.status_code == 200
+        lines = s.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if "EngineReplica" in a["name"]]
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "server_error" and err["code"] == "internal_error" and err["message"]
