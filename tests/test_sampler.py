@@ -15,6 +15,7 @@ torch.set_num_threads(2)
 V = 70  # tokenizer vocab; logits are padded to PADDED columns like a real model's
 PADDED = 96
 EOS = 7
+_NEG = float("-inf")
 
 
 def make_sampler(seed: int = 0) -> Sampler:
@@ -230,3 +231,18 @@ def test_packed_mask_layout_matches_xgrammar():
     xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=V)
     assert torch.equal(ours, theirs[:, :V])
     assert (ours[0] == 0).nonzero().flatten().tolist() == [3, 31, 40, 69]
+
+
+@pytest.mark.parametrize("candidates", [8, 64])
+def test_top_p_candidates_equal_the_full_sort(candidates):
+    from radixserve.workers.engine.logit_filters import _by_sort, keep_top_k_top_p
+
+    g = torch.Generator().manual_seed(6)
+    # Peaked rows are settled by the candidates; flat ones (scale 0.1) need the fallback sort.
+    s = torch.randn(8, 500, generator=g) * torch.tensor([4.0, 0.1] * 4)[:, None]
+    k = torch.tensor([[500], [500], [5], [500], [3], [8], [500], [500]])
+    p = torch.tensor([[0.9], [0.9], [0.5], [0.3], [0.99], [0.95], [0.6], [0.999]])
+    expected = _by_sort(s, k, p)
+    assert torch.equal(keep_top_k_top_p(s, k, p, candidates), expected)
+    kept = (expected > _NEG).sum(-1)
+    assert kept[1] > candidates and kept[0] < candidates  # both paths really ran

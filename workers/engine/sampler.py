@@ -7,9 +7,9 @@ chosen ids are read back at the very end.
 Processing order, per row: logit_bias -> repetition penalty (prompt + output tokens, HF style) ->
 frequency / presence penalties (output tokens, OpenAI style) -> min_new_tokens blocking of EOS and
 stop_token_ids -> grammar mask. Greedy rows take the argmax of that. Sampled rows then divide by the
-temperature, keep top_k, then top_p of what is left, then min_p, and draw by an exponential race
-(argmax of log p - log E, E ~ Exp(1)), which needs no normalisation and lets every seeded row draw
-its noise from its own generator, so its tokens do not depend on the other rows in the batch.
+temperature, keep top_k, then top_p of what is left, then min_p, and draw by inverse CDF with one
+uniform number per row; a seeded row draws it from its own generator, so its tokens do not depend
+on the other rows in the batch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from radixserve.workers.engine.logit_filters import TOP_P_CANDIDATES, keep_top_k, keep_top_k_top_p
 from radixserve.workers.protocol import SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
@@ -62,12 +63,13 @@ class SamplingBatch:
     sample_rows: Optional[torch.Tensor] = None
     all_sampled: bool = False
     temperatures: Optional[torch.Tensor] = None  # [n, 1]
-    top_k_rows: Optional[torch.Tensor] = None  # local rows with top_k only: a topk, no sort
+    top_k_rows: Optional[torch.Tensor] = None  # local rows with top_k only: a topk, never a sort
     top_k: Optional[torch.Tensor] = None  # [len(top_k_rows), 1]
     top_k_max: int = 0
-    sort_rows: Optional[torch.Tensor] = None  # local rows with top_p < 1: one sort serves k and p
+    sort_rows: Optional[torch.Tensor] = None  # local rows with top_p < 1 (and maybe top_k)
     sort_top_k: Optional[torch.Tensor] = None  # [len(sort_rows), 1], vocab size when disabled
     sort_top_p: Optional[torch.Tensor] = None  # [len(sort_rows), 1]
+    sort_candidates: int = 0  # how many best tokens to try before a full sort (>= every finite k)
     log_min_p: Optional[torch.Tensor] = None  # [n, 1], -inf when disabled
     unseeded_rows: Optional[torch.Tensor] = None  # local rows drawing from the sampler's generator
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (local row, generator)
@@ -182,6 +184,8 @@ class Sampler:
             batch.sort_rows = self._tensor(by_sort, torch.long)
             batch.sort_top_k = self._tensor([[top_k[j]] for j in by_sort], torch.long)
             batch.sort_top_p = self._tensor([[params[j].top_p] for j in by_sort], torch.float32)
+            finite = [top_k[j] for j in by_sort if top_k[j] < V]
+            batch.sort_candidates = min(V, max([TOP_P_CANDIDATES] + finite))
         if any(p.min_p > 0 for p in params):
             batch.log_min_p = self._tensor(
                 [[math.log(p.min_p) if p.min_p > 0 else _NEG_INF] for p in params], torch.float32)
@@ -257,32 +261,43 @@ class Sampler:
         """x: processed logits of the sampled rows -> sampled token per row (on the device)."""
         s = x / batch.temperatures
         if batch.top_k_rows is not None:
-            kept = _keep_top_k(s.index_select(0, batch.top_k_rows), batch.top_k, batch.top_k_max)
+            kept = keep_top_k(s.index_select(0, batch.top_k_rows), batch.top_k, batch.top_k_max)
             s.index_copy_(0, batch.top_k_rows, kept)
         if batch.sort_rows is not None:
-            kept = _keep_top_k_top_p(s.index_select(0, batch.sort_rows), batch.sort_top_k,
-                                     batch.sort_top_p)
+            kept = keep_top_k_top_p(s.index_select(0, batch.sort_rows), batch.sort_top_k,
+                                    batch.sort_top_p, batch.sort_candidates)
             s.index_copy_(0, batch.sort_rows, kept)
         if batch.log_min_p is not None:
             # p_i < min_p * p_max  <=>  s_i - s_max < log(min_p): no softmax needed.
             s.masked_fill_(s - s.amax(-1, keepdim=True) < batch.log_min_p, _NEG_INF)
-        noise = self._exponential(s.shape, batch)
-        # A zero draw would make -inf - log(0) = nan, which argmax would pick; clamp it away.
-        return (s - noise.clamp_min_(torch.finfo(noise.dtype).tiny).log()).argmax(-1)
+        return self._inverse_cdf(s.softmax(-1), batch)
 
-    def _exponential(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
-        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+    def _inverse_cdf(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One uniform number per row picks the token where the cumulative probability passes it.
+
+        Cheaper on CPU than a race over V random numbers per row (the RNG, not the arithmetic, is the
+        cost), and just as row-independent: a seeded row consumes one draw of its own per step."""
+        # A filtered token adds exactly 0, so its cumulative value equals its predecessor's and
+        # no target can land on it. (CPU cumsum accumulates float32 in double: no drift over 49k.)
+        cum = probs.cumsum(-1)
+        total = cum[:, -1:]
+        target = self._uniform(probs.shape[0], batch) * total
+        # Strictly below the total, so the last token with nonzero mass is the furthest pick.
+        target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cum, target, right=True)[:, 0]
+
+    def _uniform(self, n: int, batch: SamplingBatch) -> torch.Tensor:
+        u = torch.empty(n, 1, dtype=torch.float32, device=self.device)
         if batch.unseeded_rows is not None:
             if not batch.seeded:
-                noise.exponential_(generator=self.generator)
+                u.uniform_(generator=self.generator)
             else:
-                n = batch.unseeded_rows.shape[0]
-                drawn = torch.empty(n, shape[1], device=self.device).exponential_(
+                drawn = torch.empty(batch.unseeded_rows.shape[0], 1, device=self.device).uniform_(
                     generator=self.generator)
-                noise.index_copy_(0, batch.unseeded_rows, drawn)
+                u.index_copy_(0, batch.unseeded_rows, drawn)
         for j, g in batch.seeded:
-            noise[j].exponential_(generator=g)
-        return noise
+            u[j].uniform_(generator=g)
+        return u
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor,
                   batch: SamplingBatch) -> Optional[list[Optional[TokenLogprob]]]:
@@ -299,20 +314,3 @@ class Sampler:
                                                   top_v.tolist(), top_i.tolist())):
             out[i] = TokenLogprob(tok_list[i], chosen_list[j], list(zip(ids[:n], vals[:n])))
         return out
-
-
-def _keep_top_k(s: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
-    """Mask all but each row's k largest (ties at the k-th value are kept). k: [n, 1]."""
-    kth = s.topk(k_max, -1).values.gather(1, k - 1)
-    return s.masked_fill(s < kth, _NEG_INF)
-
-
-def _keep_top_k_top_p(s: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Top-k, then the smallest prefix of the rest whose probability reaches p. k, p: [n, 1]."""
-    sorted_s, order = s.sort(-1, descending=True)
-    ranks = torch.arange(s.shape[1], device=s.device)
-    sorted_s = sorted_s.masked_fill(ranks >= k, _NEG_INF)
-    probs = sorted_s.softmax(-1)
-    # Drop a token once the mass strictly before it already reaches p; the best one always stays.
-    sorted_s = sorted_s.masked_fill(probs.cumsum(-1) - probs >= p, _NEG_INF)
-    return torch.empty_like(s).scatter_(-1, order, sorted_s)
