@@ -92,3 +92,68 @@ def make_tiny_checkpoint(
         if (source / name).is_file():
             shutil.copy(source / name, out / name)
     return str(out)
+
+
+# Hugging Face module -> llama.cpp tensor name, written out here independently of the loader's
+# own table so that a wrong mapping there cannot cancel out.
+_GGUF_BLOCK = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[hf_name]
+    _, _, layer, *module, kind = hf_name.split(".")
+    return f"blk.{layer}.{_GGUF_BLOCK['.'.join(module)]}.{kind}"
+
+
+def _llama_cpp_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    # llama.cpp interleaves the two rotary halves of every head: HF row (j*half + i) -> (2*i + j).
+    rows, cols = weight.shape
+    return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def make_tiny_gguf(tmp_path: str | Path, hf_dir: str | Path) -> str:
+    """Write the float32 GGUF of a tiny llama/qwen2/qwen3 checkpoint, laid out as llama.cpp's
+    converter does (q/k rows permuted for llama), with SmolLM2's GGUF tokenizer metadata."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from radixserve.workers.models.loader import default_gguf_path
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    arch = config["model_type"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    out = Path(tmp_path) / f"{Path(hf_dir).name}.gguf"
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    source = gguf.GGUFReader(str(default_gguf_path()))
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub)
+    for name, tensor in load_file(str(Path(hf_dir) / "model.safetensors")).items():
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = _llama_cpp_permute(tensor, heads if "q_proj" in name else kv_heads)
+        writer.add_tensor(_gguf_name(name), tensor.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(out)
