@@ -53,3 +53,24 @@ def test_memory_pressure_finishes_everything_with_same_output(baseline):
     outs, _, stats = run(max_total_tokens=256, chunked_prefill_size=32)
     assert outs == baseline[0]
     assert stats["kv_total"] == 256
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_checkpoints_match_hf_through_the_engine(tmp_path, arch):
+    from tests.engine_utils import hf_greedy
+    from tests.tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, arch=arch)
+    engine = Engine(path, dtype="float32", max_total_tokens=2048, chunked_prefill_size=8)
+    try:
+        prompts = [engine.tokenizer.encode(p) for p in ("Hello there, how are", "1 2 3 4 5 6 7 8 9",
+                                                         "Hello there, friend")]
+        expected = hf_greedy(path, prompts, 10)
+        params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+        assert [engine.generate(input_ids=p, sampling_params=params)["output_ids"]
+                for p in prompts] == expected
+        engine.flush_cache()
+        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == expected
+        assert_kv_invariant(engine)
+    finally:
+        engine.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -229,8 +230,12 @@ class EngineCore:
             for k in constrained:
                 reqs[k].grammar.fill_bitmask(self._bitmask, k)
             apply_bitmask(logits, self._bitmask, constrained)
-        batch = self.sampler.prepare([SamplerRow(r.params, r.origin_input_ids, r.output_ids,
-                                                 r.generator) for r in reqs])
+        # A grammar decides when the output may end: min_new_tokens must not mask the stop tokens
+        # it allows (that could leave a row with nothing to sample).
+        batch = self.sampler.prepare([
+            SamplerRow(replace(r.params, min_new_tokens=0) if r.grammar is not None and
+                       r.params.min_new_tokens else r.params,
+                       r.origin_input_ids, r.output_ids, r.generator) for r in reqs])
         result = self.sampler.sample(logits, batch)
         return result.token_ids, result.logprobs
 
