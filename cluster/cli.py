@@ -48,6 +48,9 @@ def serve_forever(args: ServerArgs) -> int:
     try:
         ray.init(address=address, include_dashboard=False, logging_level=level,
                  configure_logging=True)
+        # Ray's core worker installs its own SIGTERM handler (it aborts); ours must win.
+        signal.signal(signal.SIGINT, _on_signal)
+        signal.signal(signal.SIGTERM, _on_signal)
         started_ray = address is None
         serve.start(http_options={"host": args.http.host, "port": args.http.port})
         serve.run(build(args), name=args.deployment.app_name, route_prefix="/")

@@ -1,0 +1,229 @@
+"""Online serving benchmark for any OpenAI-compatible server (SGLang's bench_serving in spirit).
+
+    python load_tests/bench_serving.py --base-url http://127.0.0.1:30000 \
+        --dataset generated-shared-prefix --max-concurrency 16
+    # side by side, one run:  --base-url radixserve=http://127.0.0.1:30000 --base-url hf=http://127.0.0.1:8000
+
+Streams every request (SSE, `stream_options.include_usage`) to measure TTFT / ITL / TPOT / E2E,
+and reads prompt, completion and cached token counts from the server's `usage`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_datasets import Conversation, build  # noqa: E402
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    text: str = ""
+
+
+def parse_sse_line(line: str) -> Optional[Any]:
+    """The JSON payload of one SSE `data:` line; "[DONE]" for the end; None for other lines."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return data if data == "[DONE]" else json.loads(data)
+
+
+async def send(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
+               max_tokens: int, extra: dict[str, Any]) -> Result:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
+    res, start = Result(), time.perf_counter()
+    last = start
+    chunks = 0
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return res
+            async for raw in resp.content:
+                event = parse_sse_line(raw.decode("utf-8").strip())
+                if event is None or event == "[DONE]":
+                    continue
+                if "error" in event:
+                    res.error = json.dumps(event["error"])[:200]
+                    return res
+                if event.get("usage"):
+                    u = event["usage"]
+                    res.prompt_tokens = u.get("prompt_tokens", 0)
+                    res.completion_tokens = u.get("completion_tokens", 0)
+                    res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                for choice in event.get("choices") or []:
+                    delta = (choice.get("delta") or {}).get("content") or ""
+                    if not delta:
+                        continue
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last, chunks = now, chunks + 1
+                    res.text += delta
+        res.e2e = time.perf_counter() - start
+        res.completion_tokens = res.completion_tokens or chunks
+        res.ok = True
+    except Exception as e:  # a benchmark reports failures, it does not stop at the first
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_conversation(conv: Conversation, go, session, url, model, extra) -> list[Result]:
+    out, history = [], []
+    for turn in conv.turns:
+        async with go():
+            messages = history + turn.messages if conv.chained else turn.messages
+            r = await send(session, url, model, messages, turn.output_len, extra)
+        out.append(r)
+        if not r.ok:
+            break
+        history = messages + [{"role": "assistant", "content": r.text}]
+    return out
+
+
+async def benchmark(url: str, convs: list[Conversation], args) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as s:
+        model = args.model or (await (await s.get(url + "/v1/models")).json())["data"][0]["id"]
+        sem = asyncio.Semaphore(args.max_concurrency or 10**9)
+        extra = {"ignore_eos": True} if args.ignore_eos else {}
+        rng = random.Random(args.seed)
+        tasks, start = [], time.perf_counter()
+        for conv in convs:
+            tasks.append(asyncio.ensure_future(run_conversation(conv, lambda: sem, s, url, model, extra)))
+            if args.request_rate != float("inf"):  # Poisson arrivals
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
+        duration = time.perf_counter() - start
+    return summarize(results, duration, model)
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    s = sorted(xs)
+
+    def pct(p: float) -> float:  # linear interpolation between closest ranks
+        k = (len(s) - 1) * p
+        lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+    return {"mean": sum(s) / len(s) * 1000, "median": pct(0.5) * 1000, "p99": pct(0.99) * 1000}
+
+
+def summarize(results: list[Result], duration: float, model: str) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    output = sum(r.completion_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
+    return {
+        "model": model, "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "total_input_tokens": prompt, "total_output_tokens": output,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "input_throughput": prompt / duration if duration else 0.0,
+        "output_throughput": output / duration if duration else 0.0,
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "itl_ms": percentiles([x for r in ok for x in r.itl]),
+        "tpot_ms": percentiles(tpot),
+        "e2e_ms": percentiles([r.e2e for r in ok]),
+    }
+
+
+def print_table(reports: dict[str, dict[str, Any]]) -> None:
+    names = list(reports)
+    rows = [("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
+            ("duration (s)", "duration_s", "{:.2f}"),
+            ("request throughput (req/s)", "request_throughput", "{:.2f}"),
+            ("input throughput (tok/s)", "input_throughput", "{:.1f}"),
+            ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
+            ("cache hit rate", "cache_hit_rate", "{:.1%}")]
+    for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{metric[:-3].upper()} {stat} (ms)", (metric, stat), "{:.1f}"))
+    width = max(len(r[0]) for r in rows) + 2
+    print("".ljust(width) + "".join(n.rjust(16) for n in names))
+    for label, key, fmt in rows:
+        vals = [reports[n][key[0]][key[1]] if isinstance(key, tuple) else reports[n][key]
+                for n in names]
+        print(label.ljust(width) + "".join(fmt.format(v).rjust(16) for v in vals))
+    for n in names:
+        for e in reports[n]["errors"]:
+            print(f"[{n}] error: {e}")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", action="append", required=True,
+                   help="server root (repeat, optionally name=url, to compare side by side)")
+    p.add_argument("--model", help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--dataset", default="random",
+                   choices=["random", "generated-shared-prefix", "multi-turn"])
+    p.add_argument("--num-prompts", type=int, default=64, help="random prompts / conversations")
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=1.0)
+    p.add_argument("--gsp-num-groups", type=int, default=8)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=1000)
+    p.add_argument("--gsp-question-len", type=int, default=32)
+    p.add_argument("--gsp-output-len", type=int, default=64)
+    p.add_argument("--multi-turn-turns", type=int, default=4)
+    p.add_argument("--multi-turn-input-len", type=int, default=64)
+    p.add_argument("--multi-turn-output-len", type=int, default=32)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="conversations started per second (Poisson); inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos (an SGLang/vLLM/RadixServe extension) for exact lengths")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--output-file", help="write the reports as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
+    args = parse_args(argv)
+    convs = build(args)
+    reports = {}
+    for i, spec in enumerate(args.base_url):
+        name, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        name = name or (f"server{i}" if len(args.base_url) > 1 else "server")
+        reports[name] = asyncio.run(benchmark(url.rstrip("/"), convs, args))
+    print_table(reports)
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            json.dump({"args": vars(args) | {"request_rate": str(args.request_rate)},
+                       "reports": reports}, f, indent=2)
+    return reports
+
+
+if __name__ == "__main__":
+    main()

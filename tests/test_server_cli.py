@@ -1,0 +1,140 @@
+"""`radixserve serve` and `serve run deploy/serve.yaml` as a user runs them: subprocesses that
+start their own Ray, serve real requests, and leave no process behind when stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "load_tests"))
+import bench_serving  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                            cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200 and \
+                    httpx.get(url + "/get_server_info", timeout=5).status_code in (200, 401):
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise AssertionError("server did not start:\n" + log.read_text()[-3000:])
+
+
+def stop(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the command; it must exit by itself, taking every process it started with it."""
+    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(sig)
+    assert proc.wait(timeout=90) == 0
+    deadline = time.monotonic() + 30
+    while (alive := [p for p in family if psutil.pid_exists(p) and
+                     psutil.Process(p).status() != psutil.STATUS_ZOMBIE]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, [psutil.Process(p).cmdline()[:2] for p in alive]
+
+
+async def queue_limit_scenario(url: str) -> None:
+    """One request running, one queued (the limits are 1 and 1): the third gets 503."""
+    long = {"model": "smol", "prompt": "A story:", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        async def hold(started: asyncio.Event) -> None:
+            async with c.stream("POST", "/v1/completions", json=long) as r:
+                assert r.status_code == 200
+                started.set()
+                await asyncio.sleep(3600)  # keep it running until cancelled
+
+        def replica() -> dict:
+            return httpx.get(url + "/get_server_info", timeout=10).json()["replicas"][0]
+
+        running_started, queued_started = asyncio.Event(), asyncio.Event()
+        running = asyncio.create_task(hold(running_started))
+        await asyncio.wait_for(running_started.wait(), 30)
+        queued = asyncio.create_task(hold(queued_started))
+        deadline = time.monotonic() + 10
+        while (await asyncio.to_thread(replica))["queued"] != 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        refused = await c.post("/v1/completions", json={**long, "stream": False})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert not queued_started.is_set()  # its headers wait for its first token
+        for t in (running, queued):
+            t.cancel()
+        await asyncio.gather(running, queued, return_exceptions=True)
+    deadline = time.monotonic() + 10
+    while (r := replica())["running"] + r["queued"]:
+        assert time.monotonic() < deadline, r
+        await asyncio.sleep(0.1)
+
+
+def test_cli_serves_queues_503_and_stops_on_sigterm(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start([sys.executable, "-m", "radixserve.cluster.cli", "serve", "--port", str(port),
+                  "--max-total-tokens", "4096", "--num-threads", "2", "--max-running-requests", "1",
+                  "--max-queued-requests", "1", "--served-model-name", "smol"], url,
+                 tmp_path / "cli.log")
+    try:
+        asyncio.run(queue_limit_scenario(url))
+        with httpx.Client(base_url=url, timeout=60) as c:
+            reports = bench_serving.main(["--base-url", url, "--num-prompts", "4",
+                                          "--random-input-len", "16", "--random-output-len", "4",
+                                          "--ignore-eos", "--max-concurrency", "1",
+                                          "--output-file", str(tmp_path / "bench.json")])
+            (report,) = reports.values()
+            assert (report["completed"], report["failed"], report["total_output_tokens"]) == (4, 0, 16)
+            assert json.loads((tmp_path / "bench.json").read_text())["reports"]["server"]["model"] == "smol"
+    finally:
+        stop(proc, signal.SIGTERM)
+    assert "RadixServe is ready at " + url in (tmp_path / "cli.log").read_text()
+
+
+def test_serve_run_yaml_with_two_replicas_and_sigint(tmp_path):
+    config = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    (app,) = config["applications"]
+    assert app["import_path"] == "radixserve.cluster.app:build_app"
+    app["args"].update(port=port, dp=2, max_total_tokens=4096, num_threads=1)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    url = f"http://127.0.0.1:{port}"
+    serve_bin = str(Path(sys.executable).parent / "serve")
+    proc = start([serve_bin, "run", str(path)], url, tmp_path / "serve.log")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            replicas = c.get("/get_server_info").json()["replicas"]
+            assert len(replicas) == 2 and len({r["replica_id"] for r in replicas}) == 2
+            r = c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                "ignore_eos": True}).json()
+            assert r["usage"]["completion_tokens"] == 4
+    finally:
+        stop(proc, signal.SIGINT)
