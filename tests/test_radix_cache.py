@@ -458,3 +458,16 @@ def test_tensor_keys_and_slots_are_accepted():
     cache.cache_finished(torch.tensor([1, 2, 3]), torch.tensor(pool.alloc(3)), m.node)
     assert cache.match_prefix([1, 2, 3]).slots == [1, 2, 3]
     cache.check_integrity()
+
+
+def test_cached_prefixes_most_recent_first_within_budget():
+    pool = KVPool(1, 1, 1, 64)
+    cache = RadixCache(pool)
+    for key in ([1, 2, 3, 4], [1, 2, 9], [5, 6]):
+        m = cache.match_prefix(key)
+        slots = m.slots + pool.alloc(len(key) - len(m.slots))
+        cache.lock(m.node)
+        cache.cache_finished(key, slots, m.node)
+    assert cache.cached_prefixes(100) == [[5, 6], [1, 2, 9], [1, 2, 3, 4]]
+    assert cache.cached_prefixes(5) == [[5, 6], [1, 2, 9]]
+    assert NullCache(pool).cached_prefixes(10) == []

@@ -111,6 +111,16 @@ class Engine:
         self._inbox.put(("flush", fut))
         return fut.result(timeout=60)
 
+    def cache_summary(self, max_tokens: int = 1 << 20) -> list[list[int]]:
+        """The cached prefixes (token lists, most recently used first) for the router's tree."""
+        fut: Future = Future()
+        self._inbox.put(("summary", (fut, max_tokens)))
+        return fut.result(timeout=60)
+
+    @property
+    def context_length(self) -> int:
+        return self.core.context_length
+
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
 
@@ -214,6 +224,8 @@ class Engine:
                 self.core.abort(arg)
             elif cmd == "flush":
                 arg.set_result(self.core.flush_cache())
+            elif cmd == "summary":
+                arg[0].set_result(self.core.cache.cached_prefixes(arg[1]))
 
     def _deliver(self, items: list) -> None:
         """items: (rid, OutputChunk | Exception). Groups per event loop, one wake-up each."""

@@ -317,6 +317,23 @@ class RadixCache(PrefixCache):
             yield node
             stack.extend(node.children.values())
 
+    def cached_prefixes(self, max_tokens: int) -> list[list[int]]:
+        """Token paths (root to leaf) of the cached leaves, most recently used first, until their
+        lengths add up to max_tokens: what a router needs to correct its view of this cache."""
+        leaves = sorted((n for n in self._nodes() if not n.children), key=lambda n: -n.stamp)
+        out, total = [], 0
+        for leaf in leaves:
+            parts, node = [], leaf
+            while node.parent is not None:
+                parts.append(node.key)
+                node = node.parent
+            path = [t for part in reversed(parts) for t in part]
+            if total + len(path) > max_tokens:
+                break
+            out.append(path)
+            total += len(path)
+        return out
+
     def reset(self) -> bool:
         """Drop the whole tree (flush_cache); refuses and returns False if anything is locked."""
         if self._protected:
@@ -382,6 +399,9 @@ class NullCache(PrefixCache):
 
     def check_integrity(self) -> None:
         pass
+
+    def cached_prefixes(self, max_tokens: int) -> list[list[int]]:
+        return []
 
     def reset(self) -> bool:
         return True
