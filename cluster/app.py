@@ -10,23 +10,23 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from radixserve.cluster.config import ServerArgs
 from radixserve.router.ingress import IngressDeployment
+from radixserve.router.request_router import REQUEST_ROUTER_CLASS
 from radixserve.workers.replica import EngineReplica
 
 
 def replica_options(args: ServerArgs) -> dict[str, Any]:
-    """Serve options of the engine deployment. The replica-choice policy plugs in here, as a
-    Serve request router on this deployment (`router_policy` = "module:RequestRouterClass")."""
-    opts: dict[str, Any] = {"num_replicas": args.deployment.dp,
-                            "ray_actor_options": {"num_cpus": args.deployment.replica_num_cpus}}
-    if args.deployment.router_policy:
-        from ray.serve.config import RequestRouterConfig
-
-        opts["request_router_config"] = RequestRouterConfig(
-            request_router_class=args.deployment.router_policy)
-    return opts
+    """Serve options of the engine deployment. The routing policy plugs in here, as this
+    deployment's Serve request router: every handle to it (one per ingress replica) builds its
+    own PolicyRequestRouter with these policy settings."""
+    router = RequestRouterConfig(request_router_class=REQUEST_ROUTER_CLASS,
+                                 request_router_kwargs=args.policy_kwargs())
+    return {"num_replicas": args.deployment.dp,
+            "ray_actor_options": {"num_cpus": args.deployment.replica_num_cpus},
+            "request_router_config": router}
 
 
 def build(args: ServerArgs) -> Application:
@@ -34,7 +34,9 @@ def build(args: ServerArgs) -> Application:
     ingress = IngressDeployment.options(
         num_replicas=args.deployment.ingress_replicas,
         ray_actor_options={"num_cpus": args.deployment.ingress_num_cpus})
-    return ingress.bind(replicas, {**args.to_dict()})
+    routing = {"policy": args.policy_kwargs(),
+               "sync_interval_s": args.router.router_sync_interval_s}
+    return ingress.bind(replicas, {**args.to_dict()}, routing)
 
 
 def build_app(args: Optional[dict[str, Any]] = None) -> Application:

@@ -1,4 +1,5 @@
-"""Server configuration: frozen layers (engine, HTTP, deployment), parsed from YAML or the CLI.
+"""Server configuration: frozen layers (engine, HTTP, deployment, router), parsed from YAML or
+the CLI.
 
 One flat namespace of SGLang-style names (`max_total_tokens`, `port`, `dp`, ...) is what users
 write in a YAML file, on the command line (`--max-total-tokens`) and what `build_app` receives;
@@ -14,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from radixserve.router.policy import POLICY_NAMES, PolicyConfig
 from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -48,7 +50,6 @@ class DeploymentConfig:
     ingress_num_cpus: float = 0.0  # the ingress is I/O bound; it must not starve the engines
     app_name: str = "radixserve"
     ray_address: Optional[str] = None  # None: RAY_ADDRESS or a new local instance
-    router_policy: Optional[str] = None  # None: Ray Serve's default routing
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -59,7 +60,31 @@ class DeploymentConfig:
             raise ValueError("num_cpus must be >= 0")
 
 
-LAYERS: dict[str, type] = {"engine": EngineConfig, "http": HTTPConfig, "deployment": DeploymentConfig}
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the ingress chooses an engine replica (router/policy.py, router/request_router.py)."""
+
+    router_policy: Optional[str] = None  # None: cache_aware with dp > 1, else round_robin
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    router_sync_interval_s: float = 5.0  # how often replicas' caches and loads correct the policy
+
+    def __post_init__(self) -> None:
+        PolicyConfig(**self.policy_kwargs("cache_aware"))  # the policy's own validation
+        if self.router_sync_interval_s <= 0:
+            raise ValueError("router_sync_interval_s must be > 0")
+
+    def policy_kwargs(self, default_policy: str) -> dict[str, Any]:
+        """PolicyConfig fields (JSON-able: Serve passes them to the request router)."""
+        return {"policy": self.router_policy or default_policy,
+                "cache_threshold": self.cache_threshold,
+                "balance_abs_threshold": self.balance_abs_threshold,
+                "balance_rel_threshold": self.balance_rel_threshold}
+
+
+LAYERS: dict[str, type] = {"engine": EngineConfig, "http": HTTPConfig,
+                           "deployment": DeploymentConfig, "router": RouterConfig}
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,7 @@ class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HTTPConfig = field(default_factory=HTTPConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     @classmethod
     def from_dict(cls, d: Optional[dict[str, Any]] = None) -> "ServerArgs":
@@ -98,6 +124,10 @@ class ServerArgs:
             out.update(dataclasses.asdict(getattr(self, layer)))
         return out
 
+    def policy_kwargs(self) -> dict[str, Any]:
+        """The routing policy's config: cache_aware is the default once there is a choice."""
+        return self.router.policy_kwargs("cache_aware" if self.deployment.dp > 1 else "round_robin")
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Engine(**kwargs)`."""
         return dataclasses.asdict(self.engine)
@@ -125,7 +155,11 @@ HELP = {
     "dp": "number of engine replicas (data parallel)",
     "log_level": " | ".join(LOG_LEVELS),
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
-    "router_policy": "replica choice; unset = Ray Serve's default",
+    "router_policy": f"replica choice: {' | '.join(POLICY_NAMES)} (default: cache_aware if dp > 1)",
+    "cache_threshold": "cache_aware: prefix match rate above which the matching replica wins",
+    "balance_abs_threshold": "cache_aware: imbalanced if max load - min load exceeds this ...",
+    "balance_rel_threshold": "... and max load exceeds min load times this",
+    "router_sync_interval_s": "seconds between replica cache/load reports to the router",
 }
 
 
@@ -148,7 +182,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                                    default=None, help=help_text)
             else:
-                choices = {"schedule_policy": SCHEDULE_POLICIES, "log_level": LOG_LEVELS}.get(f.name)
+                choices = {"schedule_policy": SCHEDULE_POLICIES, "log_level": LOG_LEVELS,
+                           "router_policy": POLICY_NAMES}.get(f.name)
                 group.add_argument(*names, dest=f.name, type=kind, default=None, choices=choices,
                                    help=f"{help_text} (default: {f.default})".strip())
 

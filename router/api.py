@@ -159,7 +159,8 @@ def build_api(ing: "Ingress") -> FastAPI:
         args = {k: ("***" if k == "api_key" and v else v) for k, v in ing.server_args.items()}
         replicas = [s.to_dict() for s in await ing.replica_stats()]
         return {**args, "version": VERSION, "served_model_name": ing.model_name,
-                "context_length": ing.card.context_length, "replicas": replicas}
+                "context_length": ing.card.context_length, "replicas": replicas,
+                "router": ing.router_snapshot()}
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
@@ -171,6 +172,7 @@ def build_api(ing: "Ingress") -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         ing.metrics.set_replicas(await ing.replica_stats())
+        ing.metrics.set_router(ing.router_snapshot())
         return Response(ing.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

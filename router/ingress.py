@@ -1,8 +1,11 @@
 """The Serve ingress deployment: owns the tokenizer, the metrics and the handle to the engine
 replicas, and serves the FastAPI app that router/api.py builds around it.
 
-Replica traffic is protocol dicts only. A request's replica is chosen by `route` (the seam for the
-cache-aware policy; today Serve's own routing picks among the replicas behind the handle).
+Replica traffic is protocol dicts only. A request's replica is chosen by the routing policy, which
+runs as the engine deployment's Serve request router inside this replica's handle
+(router/request_router.py); both meet in this process's RoutingState. The ingress keeps that
+state honest: every `router_sync_interval_s` it pulls each replica's cached prefixes and load
+(`EngineReplica.cache_summary`) and applies them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from radixserve.router.metrics import Metrics, RequestTimer
+from radixserve.router.policy import PolicyConfig
+from radixserve.router.request_router import state_key
+from radixserve.router.routing_state import routing_state
 from radixserve.router.tokenizer import Tokenizer
 from radixserve.workers.protocol import (GenerateRequest, ModelCard, OutputChunk, ReplicaStats,
                                          decode_error)
@@ -22,6 +28,9 @@ from radixserve.workers.protocol import (GenerateRequest, ModelCard, OutputChunk
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 30.0
+# Token budget of one replica's prefix report (sum of its paths' lengths): enough for pools of
+# tens of thousands of tokens whose leaves share long prefixes, small enough to send every few s.
+SUMMARY_MAX_TOKENS = 1 << 18
 
 
 class ReplicaStream:
@@ -65,7 +74,11 @@ class ReplicaStream:
 
 
 class Ingress:
-    async def __init__(self, replicas: DeploymentHandle, server_args: dict[str, Any]):
+    async def __init__(self, replicas: DeploymentHandle, server_args: dict[str, Any],
+                       routing: Optional[dict[str, Any]] = None):
+        """`routing`: {"policy": PolicyConfig fields, "sync_interval_s": seconds} (cluster/app.py
+        passes the same policy fields to the request router)."""
+        routing = routing or {}
         self.replicas = replicas
         self.server_args = dict(server_args)
         self.api_key: Optional[str] = server_args.get("api_key")
@@ -76,6 +89,10 @@ class Ingress:
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.card)
         self.model_name = self.card.served_model_name
         self.metrics = Metrics(self.model_name)
+        key = state_key(replicas.deployment_id.app_name, replicas.deployment_id.name)
+        self.routing = routing_state(key, PolicyConfig(**routing.get("policy", {})))
+        self.sync_interval_s = float(routing.get("sync_interval_s", 5.0))
+        self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
 
     def __serve_build_asgi_app__(self):
         from radixserve.router.api import build_api
@@ -83,8 +100,34 @@ class Ingress:
         return build_api(self)
 
     def route(self, req: GenerateRequest) -> DeploymentHandle:
-        """The handle that will serve `req`: the seam where a replica-choosing policy plugs in."""
+        """The handle that will serve `req`. Its request router applies the routing policy to
+        `req.input_ids` (router/request_router.py)."""
         return self.replicas
+
+    async def sync_routing(self) -> int:
+        """Correct the routing state from every replica's own report; returns how many replicas
+        answered. A replica that fails to answer is skipped (if it died, Serve's replica update
+        removes it from the state)."""
+        point = self.routing.sync_point()
+        budget = SUMMARY_MAX_TOKENS if self.routing.uses_prefix_tree else 0
+        applied = 0
+        for r in await self._broadcast("cache_summary", budget):
+            # The engine lists most recent first; the tree wants least recent first.
+            prefixes = r["prefixes"][::-1] if budget else None
+            applied += self.routing.apply_report(ReplicaStats.from_dict(r["stats"]), prefixes,
+                                                 point)
+        return applied
+
+    async def _sync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sync_interval_s)
+            try:
+                await self.sync_routing()
+            except Exception:  # the next round retries; routing goes on with what it knows
+                logger.exception("routing correction failed")
+
+    def router_snapshot(self) -> dict[str, Any]:
+        return self.routing.snapshot()
 
     async def open(self, req: GenerateRequest) -> ReplicaStream:
         """Send `req` to a replica; returns once its first output is there.
@@ -105,25 +148,29 @@ class Ingress:
             raise
         return stream
 
+    async def _broadcast(self, method: str, *args: Any) -> list[Any]:
+        """`method` on every replica; the answers of those that answered (one that just died is
+        left out, not an error: Serve replaces it)."""
+        results = await self.replicas.broadcast(method, *args).results_async(
+            timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True)
+        return [r for r in results if not isinstance(r, BaseException)]
+
     async def replica_stats(self) -> list[ReplicaStats]:
-        results = await self.replicas.broadcast("stats").results_async(timeout_s=CONTROL_TIMEOUT_S)
-        stats = [ReplicaStats.from_dict(r) for r in results]
+        stats = [ReplicaStats.from_dict(r) for r in await self._broadcast("stats")]
         return sorted(stats, key=lambda s: s.replica_id)
 
     async def engine_stats(self) -> list[dict[str, Any]]:
-        results = await self.replicas.broadcast("engine_stats").results_async(
-            timeout_s=CONTROL_TIMEOUT_S)
-        return sorted(results, key=lambda r: r["replica_id"])
+        return sorted(await self._broadcast("engine_stats"), key=lambda r: r["replica_id"])
 
     async def flush_cache(self) -> bool:
-        results = await self.replicas.broadcast("flush_cache").results_async(
-            timeout_s=CONTROL_TIMEOUT_S)
-        return all(results)
+        results = await self._broadcast("flush_cache")
+        flushed = bool(results) and all(results)
+        if flushed:  # the tree must not send prefixes after caches that are gone
+            await self.sync_routing()
+        return flushed
 
     async def abort(self, rid: str) -> bool:
-        results = await self.replicas.broadcast("abort", rid).results_async(
-            timeout_s=CONTROL_TIMEOUT_S)
-        return any(results)
+        return any(await self._broadcast("abort", rid))
 
 
 IngressDeployment = serve.deployment(name="Ingress", max_ongoing_requests=4096)(

@@ -1,5 +1,6 @@
-"""Prometheus metrics at /metrics: latency histograms the ingress observes per request, and
-counters / gauges read from every replica's `ReplicaStats` at scrape time (label `replica`).
+"""Prometheus metrics at /metrics: latency histograms the ingress observes per request,
+counters / gauges read from every replica's `ReplicaStats` at scrape time (label `replica`), and
+the routing policy's counters (`radixserve:router_*`, this ingress replica's view).
 
 Counters are the replicas' own monotonic totals, so `rate(radixserve:cached_tokens_total[1m]) /
 rate(radixserve:prompt_tokens_total[1m])` is the cache hit rate, per replica or summed.
@@ -8,7 +9,7 @@ rate(radixserve:prompt_tokens_total[1m])` is the cache hit rate, per replica or 
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -48,10 +49,16 @@ class Metrics:
         self.queue = hist("queue_time_seconds",
                           "Receipt at the ingress to admission by an engine replica", LATENCY_BUCKETS)
         self._replicas: list[ReplicaStats] = []
+        self._router: dict[str, Any] = {}
         self.registry.register(_ReplicaCollector(self))
+        self.registry.register(_RouterCollector(self))
 
     def set_replicas(self, stats: list[ReplicaStats]) -> None:
         self._replicas = sorted(stats, key=lambda s: s.replica_id)
+
+    def set_router(self, snapshot: dict[str, Any]) -> None:
+        """The routing state's snapshot (RoutingState.snapshot)."""
+        self._router = snapshot
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -114,4 +121,54 @@ class _ReplicaCollector:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
             for s in stats:
                 g.add_metric([self.metrics.model_name, s.replica_id], value(s))
+            yield g
+
+
+# (metric name without prefix/suffix, snapshot key, help)
+ROUTER_COUNTERS = (
+    ("router_requests", "requests_total", "Generate requests the routing policy placed"),
+    ("router_prefix_hits", "prefix_hits",
+     "Requests sent to the replica with the longest cached prefix (match rate over threshold)"),
+    ("router_prefix_misses", "prefix_misses",
+     "Requests whose best prefix match was under the threshold (sent to the least loaded)"),
+    ("router_imbalance_fallbacks", "imbalance_fallbacks",
+     "Requests sent among the least loaded replicas because the load was imbalanced"),
+    ("router_matched_tokens", "matched_tokens_total",
+     "Prompt tokens the prefix tree expected the chosen replica to hold"),
+    ("router_replicas_removed", "replicas_removed_total",
+     "Replicas removed from the policy (died or scaled away)"),
+)
+
+
+class _RouterCollector:
+    """Renders the routing state's latest snapshot (set just before each scrape)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self.metrics._router
+        if not snap:
+            return
+        model = self.metrics.model_name
+        labels = ["model_name", "policy"]
+        key = [model, snap["policy"]]
+        for name, field, doc in ROUTER_COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(key, snap[field])
+            yield c
+        for name, field, doc in (("router_tree_tokens", "tree_tokens", "Tokens in the prefix tree"),
+                                 ("router_tree_nodes", "tree_nodes", "Nodes in the prefix tree")):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(key, snap[field])
+            yield g
+        per_replica = (
+            ("router_in_flight_requests", "in_flight", "Requests this ingress has in flight"),
+            ("router_tree_replica_tokens", "tree_tokens_by_replica",
+             "Tokens the prefix tree believes the replica caches"),
+        )
+        for name, field, doc in per_replica:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "replica"])
+            for replica in snap["replicas"]:
+                g.add_metric([model, replica], snap[field].get(replica, 0))
             yield g

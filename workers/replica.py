@@ -7,6 +7,7 @@ chunks out as `OutputChunk.to_dict()`, refusals as `encode_error(...)`. The depl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import tempfile
@@ -95,6 +96,15 @@ class EngineReplica:
         s = self.engine.replica_stats()
         s.replica_id = self.replica_id
         return s.to_dict()
+
+    async def cache_summary(self, max_tokens: int) -> dict[str, Any]:
+        """What the router's correction needs, read together: this replica's `ReplicaStats`
+        and its cached prefixes (token paths, most recently used first, up to `max_tokens`
+        tokens in all; shared prefixes count once per path)."""
+        prefixes = await asyncio.to_thread(self.engine.cache_summary, int(max_tokens))
+        s = self.engine.replica_stats()
+        s.replica_id = self.replica_id
+        return {"stats": s.to_dict(), "prefixes": prefixes}
 
     async def engine_stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.engine.stats()}
