@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from radixserve.kernels import cpu_ops
 from radixserve.workers.engine.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -69,24 +70,22 @@ class _ExtendSeq:
     mask: Optional[torch.Tensor]  # [E, L] bool, True = attend; None = plain causal over new tokens
 
 
-@dataclass
-class _DecodeMeta:
-    mask: Optional[torch.Tensor]  # [B, 1, 1, L] bool; None when every sequence spans all of L
-
-
 class CpuBackend(AttentionBackend):
-    """torch SDPA (flash-attention CPU kernel) with masks built once per batch.
+    """The fast CPU path.
 
-    Decode: one gather of all sequences' K/V rows and one batched SDPA with a length mask.
-    Extend: per sequence; a sequence without a cached prefix attends over its own new k/v with
-    is_causal (no gather), one with a prefix gathers its slots and uses a bottom-right causal mask.
+    Decode: the fused C++ kernel (kernels/cpu_ops.decode_attention): each sequence's K/V rows are
+    read once straight from the pool for all query heads of their KV group, float32 softmax and
+    accumulation. (torch's flash-attention CPU kernel is several times slower for one query per
+    sequence; the torch fallback is one index_select per buffer and two batched matmuls.)
+    Extend: per sequence SDPA; a sequence without a cached prefix attends over its own new k/v
+    with is_causal (no gather), one with a prefix gathers its slots with a bottom-right causal mask.
     """
 
     name = "cpu"
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.mode == ForwardMode.DECODE:
-            batch.attn_metadata = _DecodeMeta(mask=_length_mask(batch))
+            batch.attn_metadata = (batch.kv_indices.contiguous(), batch.seq_lens.contiguous())
             return
         seqs = []
         cu = batch.cu_extend
@@ -111,13 +110,8 @@ class CpuBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, k_buf, v_buf, batch) -> torch.Tensor:
-        # [B, L, KVH, D] -> [B, KVH, L, D]; SDPA reads the strided view without a copy.
-        keys = k_buf[batch.kv_indices].transpose(1, 2).to(q.dtype)
-        values = v_buf[batch.kv_indices].transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=batch.attn_metadata.mask, enable_gqa=True
-        )
-        return out.squeeze(2)
+        kv_indices, seq_lens = batch.attn_metadata
+        return cpu_ops.decode_attention(q.to(k_buf.dtype), k_buf, v_buf, kv_indices, seq_lens).to(q.dtype)
 
     @staticmethod
     def _extend(q, k, v, k_buf, v_buf, batch) -> torch.Tensor:
@@ -129,19 +123,11 @@ class CpuBackend(AttentionBackend):
                 values = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
             else:
-                keys = k_buf[seq.slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-                values = v_buf[seq.slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                keys = k_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+                values = v_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
                 o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, enable_gqa=True)
             out[seq.start : seq.end] = o.squeeze(0).transpose(0, 1)
         return out
-
-
-def _length_mask(batch: ForwardBatch) -> Optional[torch.Tensor]:
-    width = batch.kv_indices.shape[1]
-    if all(n == width for n in batch.seq_lens_list):
-        return None
-    mask = torch.arange(width, device=batch.seq_lens.device).unsqueeze(0) < batch.seq_lens.unsqueeze(1)
-    return mask[:, None, None, :]
 
 
 _BACKENDS = {"torch_ref": TorchReferenceBackend, "cpu": CpuBackend}

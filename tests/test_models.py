@@ -126,6 +126,19 @@ def test_tiny_model_greedy_equals_hf(tmp_path, name):
     assert driver.greedy(prompts, 8, chunk=16) == refs
 
 
+def test_torch_fallback_ops_give_the_same_greedy_tokens(tmp_path, monkeypatch):
+    """Without the C++ extension (no compiler, or RADIXSERVE_CPU_KERNELS=0) every fused op runs
+    its torch version; the model must still match the reference."""
+    from radixserve.kernels import cpu_ops
+
+    path = make_tiny_checkpoint(tmp_path, "qwen2")
+    monkeypatch.setattr(cpu_ops, "native_ops", lambda: None)
+    ours = load_model(path, dtype="float32")
+    prompts = [list(range(100, 117)), list(range(200, 203))]
+    refs = [hf_greedy(load_hf(path), p, 6) for p in prompts]
+    assert ModelDriver(ours.model, ours.config).greedy(prompts, 6, chunk=8) == refs
+
+
 def test_llama3_rope_scaling_bands():
     base = RopeConfig(theta=10000.0)
     scaled = RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,

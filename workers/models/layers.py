@@ -1,7 +1,7 @@
 """Building blocks shared by the decoder models: RMSNorm, rotary embedding, fused projections.
 
 Everything runs in the model dtype except the reductions of RMSNorm (float32, as the reference
-implementations do). Fusion of q/k/v and gate/up into one Linear happens here, at load time, so a
+implementations do). The elementwise work goes through kernels.cpu_ops (fused C++ where built). Fusion of q/k/v and gate/up into one Linear happens here, at load time, so a
 layer issues one GEMM where Hugging Face issues three.
 """
 
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels import cpu_ops
 from radixserve.workers.models.config import RopeConfig
 
 
@@ -27,12 +28,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
-        # torch's fused CPU rms_norm has only a float32 kernel (bf16 falls back to ~8 slow ops),
-        # so upcast once; rounding to the model dtype before the weight matches Hugging Face.
-        out = F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)
-        return out * self.weight
+        return cpu_ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """residual += delta (in place), then return the normalized residual."""
+        return cpu_ops.add_rms_norm_(residual, delta, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -54,16 +54,15 @@ class RotaryEmbedding(nn.Module):
         self.sin = freqs.sin().to(dtype=dtype, device=device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, head_dim // 2], broadcastable over heads."""
+        """[T] positions -> contiguous cos, sin of shape [T, head_dim // 2]."""
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} is beyond the context length {self.cos.shape[0]}")
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions], self.sin[positions]
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] -> rotated copy."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [T, heads, head_dim] in place (x may be a strided view of the qkv output)."""
+        cpu_ops.rotary_(x, cos, sin)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -126,8 +125,7 @@ class FusedLinear(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return cpu_ops.silu_mul(gate_up)
 
 
 def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None) -> nn.Linear:

@@ -43,15 +43,19 @@ class LlamaAttention(nn.Module):
         tokens = x.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         heads = self.qkv_proj(x).view(tokens, qk_heads + self.num_kv_heads, self.head_dim)
-        # q and k heads are adjacent, so one rotary call covers both.
-        qk = RotaryEmbedding.apply(self.prepare_qk(heads[:, :qk_heads]), cos, sin)
+        # q and k heads are adjacent, so one in-place rotary call covers both.
+        qk = self.prepare_qk(heads[:, :qk_heads])
+        RotaryEmbedding.apply_(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = heads[:, qk_heads:]
         out = self.backend.forward(q, k, v, self.layer_id, batch, kv_pool)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def prepare_qk(self, qk: torch.Tensor) -> torch.Tensor:
-        """Hook before rotary on the [T, H + KVH, D] q|k heads (Qwen3 normalizes them here)."""
+        """Hook before rotary on the [T, H + KVH, D] q|k heads (Qwen3 normalizes them here).
+
+        May return its input (a view of the qkv output) since rotary then works in place.
+        """
         return qk
 
 
@@ -74,9 +78,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, h: torch.Tensor, cos, sin, batch: ForwardBatch, kv_pool) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos, sin, batch: ForwardBatch, kv_pool) -> torch.Tensor:
+        """x = input_layernorm(residual); `residual` is updated in place. Returns the MLP output,
+        which the next layer (or the final norm) adds to the residual."""
+        x = self.self_attn(x, cos, sin, batch, kv_pool)
+        x = self.post_attention_layernorm.add_forward(residual, x)
+        return self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -112,12 +119,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_pool) -> torch.Tensor:
         self.backend.prepare(batch)
         cos, sin = self.rotary.cos_sin(batch.positions)
-        h = self.model.embed_tokens(batch.input_ids)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, batch, kv_pool)
-        # RMSNorm is per row, so normalizing only the sampled rows is exact and saves the LM head
-        # (the largest GEMM of a small model) from running on every prefill token.
-        h = self.model.norm(h[batch.logits_indices])
+        layers = self.model.layers
+        residual = self.model.embed_tokens(batch.input_ids)  # a fresh tensor: safe to update in place
+        x = layers[0].input_layernorm(residual)
+        for i, layer in enumerate(layers):
+            delta = layer(x, residual, cos, sin, batch, kv_pool)
+            if i + 1 < len(layers):
+                x = layers[i + 1].input_layernorm.add_forward(residual, delta)
+        # Only the sampled rows go through the final add + norm and the LM head (the largest GEMM
+        # of a small model): RMSNorm is per row, so this is exact.
+        rows = batch.logits_indices
+        h = self.model.norm.add_forward(residual[rows], delta[rows])
         return F.linear(h, self.lm_head_weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

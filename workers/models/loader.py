@@ -21,6 +21,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixserve.kernels.attention import get_backend  # noqa: E402
+from radixserve.kernels.cpu_runtime import tune_malloc  # noqa: E402
 from radixserve.workers.models.config import ModelConfig  # noqa: E402
 from radixserve.workers.models.gguf_convert import ensure_converted  # noqa: E402
 from radixserve.workers.models.llama import LlamaForCausalLM  # noqa: E402
@@ -147,6 +148,8 @@ def read_config(model_dir: Path, dtype: torch.dtype) -> ModelConfig:
 def build_model(config: ModelConfig, attention_backend: str = "auto", device: str = "cpu") -> torch.nn.Module:
     """An uninitialized model of the config's architecture (weights still to be loaded)."""
     backend = get_backend(attention_backend, device)
+    if device == "cpu":
+        tune_malloc()
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, backend, rotary_device=device)
     return model.to_empty(device=device).eval()

@@ -1,0 +1,143 @@
+"""Fused CPU ops (csrc/cpu_ops.cpp) with plain-torch fallbacks that compute the same thing.
+
+The C++ extension is compiled at first use with torch.utils.cpp_extension (g++ and ninja needed)
+into torch's extension cache, one build per source and CPU feature set. Where it cannot be built
+(no compiler) or RADIXSERVE_CPU_KERNELS=0, every op runs its torch fallback: slower, same results
+up to float rounding. `native_ops()` says which one is in use.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# -fno-trapping-math lets float->int conversions (the exp polynomial) vectorize; results unchanged.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def native_ops() -> Optional[Any]:
+    """The compiled extension module, or None when disabled or unbuildable."""
+    if os.environ.get("RADIXSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        # -march=native code must never run on another CPU: the CPU's flags are part of the name.
+        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode())
+        return load(
+            name=f"radixserve_cpu_ops_{key.hexdigest()[:12]}",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no headers, ...: the torch fallbacks still work
+        log.warning("RadixServe CPU kernels unavailable, using torch fallbacks: %s", exc)
+        return None
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    return (
+        all(t.device.type == "cpu" and t.dtype in _NATIVE_DTYPES for t in tensors)
+        and native_ops() is not None
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, float32 math; rounds to x.dtype before the weight (as HF)."""
+    if _usable(x, weight) and x.dtype == weight.dtype and x.dim() == 2 and x.stride(-1) == 1:
+        return native_ops().rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta (in place, in h's dtype), then return rms_norm(h)."""
+    if (_usable(h, delta, weight) and h.dtype == delta.dtype == weight.dtype and h.dim() == 2
+            and h.is_contiguous() and delta.is_contiguous()):
+        return native_ops().add_rms_norm_(h, delta, weight, eps)
+    h.add_(delta)
+    return rms_norm_torch(h, weight, eps)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Neox rotary in place on x [T, heads, D] (a strided view is fine); cos/sin [T, D/2]."""
+    if _usable(x, cos, sin) and x.dtype == cos.dtype == sin.dtype and x.stride(-1) == 1:
+        native_ops().rotary_(x, cos, sin)
+    else:
+        rotary_torch_(x, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    if _usable(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous():
+        return native_ops().silu_mul(gate_up)
+    return silu_mul_torch(gate_up)
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+                     seq_lens: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]: sequence b attends to slots kv_indices[b, :seq_lens[b]]."""
+    if (_usable(q, k_buf, v_buf) and q.dtype == k_buf.dtype == v_buf.dtype and q.stride(-1) == 1
+            and kv_indices.is_contiguous() and seq_lens.is_contiguous()):
+        return native_ops().decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, 1.0 / math.sqrt(q.shape[-1]))
+    return decode_attention_torch(q, k_buf, v_buf, kv_indices, seq_lens)
+
+
+# The torch versions: fallbacks where the extension is unavailable, and the references its tests
+# compare against.
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+
+def rotary_torch_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def decode_attention_torch(q, k_buf, v_buf, kv_indices, seq_lens) -> torch.Tensor:
+    batch_size, width = kv_indices.shape
+    kv_heads, head_dim = k_buf.shape[1], k_buf.shape[2]
+    group = q.shape[1] // kv_heads
+    flat = kv_indices.reshape(-1)
+
+    def gather(buf):  # -> [B, KVH, L, D] float32, contiguous for the matmuls
+        rows = buf.index_select(0, flat).view(batch_size, width, kv_heads, head_dim)
+        return rows.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
+
+    # The query heads of one KV group become G query rows against that group's keys.
+    queries = q.reshape(batch_size, kv_heads, group, head_dim).float()
+    scores = torch.matmul(queries, gather(k_buf).transpose(-1, -2)).mul_(1.0 / math.sqrt(head_dim))
+    beyond = torch.arange(width, device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [B, L]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), gather(v_buf))  # [B, KVH, G, D]
+    return out.view(batch_size, kv_heads * group, head_dim).to(q.dtype)

@@ -1,0 +1,102 @@
+"""The fused C++ CPU ops against their torch versions, and the paged decode attention against a
+float32 reference. The C++ ops round where torch rounds, so in bfloat16 they agree bit for bit
+except where a float32 last-bit difference (summation order, exp) crosses a bf16 rounding edge."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from radixserve.kernels import cpu_ops
+
+torch.set_num_threads(1)
+
+native = cpu_ops.native_ops()
+needs_native = pytest.mark.skipif(native is None, reason="C++ extension not built (no compiler)")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16:
+        assert (a != b).float().mean() < 2e-3  # almost all bit-equal
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-6, rtol=2**-6)  # the rest an ulp or two off
+    else:
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
+def test_extension_builds_where_a_compiler_exists():
+    assert native is not None
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_fused_add(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, 576, generator=gen).to(dtype)
+    w = torch.randn(576, generator=gen).to(dtype)
+    _close(native.rms_norm(x, w, 1e-5), cpu_ops.rms_norm_torch(x, w, 1e-5), dtype)
+    h_native, h_torch = x.clone(), x.clone()
+    out_native = native.add_rms_norm_(h_native, delta, w, 1e-5)
+    h_torch.add_(delta)
+    _close(h_native, h_torch, dtype)  # the residual update itself is exact
+    _close(out_native, cpu_ops.rms_norm_torch(h_torch, w, 1e-5), dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_a_strided_view(dtype):
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 9 + 3 + 3, 64, generator=gen).to(dtype)
+    angles = torch.rand(5, 32, generator=gen) * 50
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    ours, ref = qkv.clone(), qkv.clone()
+    native.rotary_(ours[:, :12], cos, sin)
+    cpu_ops.rotary_torch_(ref[:, :12], cos, sin)
+    _close(ours, ref, dtype)
+    assert torch.equal(ours[:, 12:], qkv[:, 12:])  # v heads untouched
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_mul(dtype, rows):
+    x = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
+    _close(native.silu_mul(x), cpu_ops.silu_mul_torch(x), dtype)
+
+
+def _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens):
+    group = q.shape[1] // k_buf.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b, n in enumerate(seq_lens.tolist()):
+        slots = kv_indices[b, :n]
+        keys = k_buf[slots].float().repeat_interleave(group, 1)  # [L, H, D]
+        values = v_buf[slots].float().repeat_interleave(group, 1)
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[b].float(), keys) / math.sqrt(q.shape[-1]), -1)
+        out[b] = torch.einsum("hl,lhd->hd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
+@pytest.mark.parametrize("impl", ["native", "torch"])
+def test_decode_attention(dtype, head_dim, heads, kv_heads, impl):
+    if impl == "native" and native is None:
+        pytest.skip("C++ extension not built")
+    gen = torch.Generator().manual_seed(head_dim)
+    k_buf = torch.randn(400, kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf = torch.randn(400, kv_heads, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor([1, 37, 90, 5])
+    kv_indices = torch.randperm(400, generator=gen)[: 4 * 90].view(4, 90).contiguous()
+    q = torch.randn(4, heads + kv_heads, head_dim, generator=gen).to(dtype)[:, :heads]  # strided, like qkv
+    if impl == "native":
+        ours = native.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, 1 / math.sqrt(head_dim))
+    else:
+        ours = cpu_ops.decode_attention_torch(q, k_buf, v_buf, kv_indices, seq_lens)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens), atol=tol, rtol=tol)
