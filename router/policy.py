@@ -138,6 +138,16 @@ class RoutingPolicy:
                 self._in_flight_tokens[replica_id] = max(0, left)
                 self._record([*token_ids, *output_ids], replica_id)
 
+    def on_cancel(self, replica_id: str, token_ids: Sequence[int]) -> None:
+        """Undo a dispatch that never reached the replica (it went elsewhere, or nowhere): only
+        the in-flight counts; the tree keeps the claim until the replica's next summary."""
+        with self._lock:
+            if replica_id not in self._in_flight:
+                return
+            self._in_flight[replica_id] = max(0, self._in_flight[replica_id] - 1)
+            left = self._in_flight_tokens[replica_id] - len(token_ids)
+            self._in_flight_tokens[replica_id] = max(0, left)
+
     # ---- replica lifecycle and corrections ------------------------------------------------
 
     def on_replica_removed(self, replica_id: str) -> None:

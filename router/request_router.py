@@ -8,9 +8,10 @@ accepting it. This class only answers "which replica" from the policy, and keeps
 in-flight counts and prefix tree in step with where requests really went:
 
 - `choose_replicas`: `generate` calls carry a `GenerateRequest` dict; its token ids go to the
-  policy. The first rank is the policy's choice, the second the others by load (used only if
-  the first is full). Control calls (`model_card`, ...) go to the least loaded.
-- `on_request_routed` (the replica accepted): the policy records the dispatch.
+  policy, which records the dispatch right away (a burst of one new prefix then stays together).
+  The first rank is the policy's choice, the second the others by load (used only if the first
+  is full). Control calls (`model_card`, ...) go to the least loaded.
+- `on_request_routed` (the replica accepted): confirms the record, or moves it.
 - `on_request_completed` (the stream ended, however): the policy records the completion.
 - `update_replicas` / `on_replica_actor_died`: removed replicas leave the policy.
 """
@@ -69,7 +70,8 @@ class PolicyRequestRouter(RequestRouter):
         tokens = prompt_ids(pending_request)
         if tokens is None:
             return [ranked]
-        chosen = self.state.policy.choose(tokens, loads).replica_id
+        request_id = pending_request.metadata.internal_request_id
+        chosen = self.state.route(request_id, tokens, list(by_id)).replica_id
         return [[by_id[chosen]], [r for r in ranked if r.replica_id.unique_id != chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,

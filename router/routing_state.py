@@ -25,6 +25,7 @@ from radixserve.router.policy import (Decision, PolicyConfig, ReplicaLoad, Routi
 from radixserve.workers.protocol import ReplicaStats
 
 REPORT_TTL_S = 30.0  # a replica's load report older than this no longer counts
+PROVISIONAL_TTL_S = 60.0  # a routed request its replica never accepted stops counting
 
 
 class RoutingState:
@@ -38,6 +39,8 @@ class RoutingState:
         self._replicas: set[str] = set()
         self._reports: dict[str, tuple[float, ReplicaStats]] = {}
         self._live: dict[str, tuple[str, list[int]]] = {}  # request id -> (replica, prompt)
+        self._provisional: dict[str, float] = {}  # routed, not yet accepted: id -> when
+        self._last_expiry = clock()
         self._removed_total = 0
         self._summaries_total = 0
 
@@ -72,6 +75,7 @@ class RoutingState:
         with self._lock:
             self._reports.pop(replica_id, None)
             self._live = {k: v for k, v in self._live.items() if v[0] != replica_id}
+            self._provisional = {k: t for k, t in self._provisional.items() if k in self._live}
             self._removed_total += 1
         self.policy.on_replica_removed(replica_id)
 
@@ -86,10 +90,33 @@ class RoutingState:
         return self.policy.loads(replica_ids, reports)
 
     def choose(self, token_ids: Sequence[int], replica_ids: Sequence[str]) -> Decision:
+        """Decide without recording anything (a request that will not be tracked)."""
         return self.policy.choose(token_ids, self.loads(replica_ids))
 
+    def route(self, request_id: str, token_ids: Sequence[int],
+              replica_ids: Sequence[str]) -> Decision:
+        """Decide and record the dispatch at once, so that the next request (a burst of equal
+        prefixes) already sees this one, before the replica has even accepted it. The record is
+        provisional until `on_dispatch` confirms or moves it; unconfirmed ones expire after
+        PROVISIONAL_TTL_S (the request was cancelled while Serve was still placing it). Deciding
+        again for the same request (Serve retries) replaces the earlier record."""
+        self._expire_provisional()
+        self._cancel(request_id)
+        decision = self.policy.route(token_ids, self.loads(replica_ids))
+        with self._lock:
+            self._live[request_id] = (decision.replica_id, list(token_ids))
+            self._provisional[request_id] = self._clock()
+        return decision
+
     def on_dispatch(self, request_id: str, token_ids: Sequence[int], replica_id: str) -> None:
-        """Request `request_id` was accepted by `replica_id`."""
+        """Request `request_id` was accepted by `replica_id`: confirms `route`'s record, or
+        moves it there (Serve placed it elsewhere, e.g. the chosen replica was full)."""
+        with self._lock:
+            self._provisional.pop(request_id, None)
+            live = self._live.get(request_id)
+            if live is not None and live[0] == replica_id:
+                return
+        self._cancel(request_id)
         with self._lock:
             if replica_id not in self._replicas:  # a late dispatch must not resurrect a replica
                 return
@@ -104,7 +131,25 @@ class RoutingState:
             if live is None or live[0] != replica_id:
                 return
             del self._live[request_id]
+            self._provisional.pop(request_id, None)
         self.policy.on_complete(replica_id, live[1])
+
+    def _cancel(self, request_id: str) -> None:
+        with self._lock:
+            live = self._live.pop(request_id, None)
+            self._provisional.pop(request_id, None)
+        if live is not None:
+            self.policy.on_cancel(*live)
+
+    def _expire_provisional(self) -> None:
+        now = self._clock()
+        with self._lock:
+            if now - self._last_expiry < PROVISIONAL_TTL_S / 4:
+                return
+            self._last_expiry = now
+            stale = [r for r, t in self._provisional.items() if now - t > PROVISIONAL_TTL_S]
+        for request_id in stale:
+            self._cancel(request_id)
 
     # ---- corrections (from the ingress's loop) ------------------------------------------------
 

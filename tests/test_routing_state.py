@@ -8,7 +8,7 @@ from ray.serve.request_router import PendingRequest
 from radixserve.cluster.config import ServerArgs, parse_cli
 from radixserve.router.policy import Decision, PolicyConfig
 from radixserve.router.request_router import prompt_ids
-from radixserve.router.routing_state import RoutingState, routing_state
+from radixserve.router.routing_state import PROVISIONAL_TTL_S, RoutingState, routing_state
 from radixserve.workers.protocol import ReplicaStats
 
 SYSTEM = list(range(1000, 1300))  # a 300-token shared prefix
@@ -40,6 +40,39 @@ def test_dispatch_then_affinity_and_completion():
     assert state.choose(prompt(9), ["a", "b"]) == Decision("a", 300, "cache_hit")
     state.on_complete("r1", "a")
     assert state.snapshot()["in_flight"] == {"a": 0}
+
+
+def test_route_records_at_once_so_a_burst_stays_together():
+    state = make_state("a", "b")
+    # Two requests of a new prefix, routed before either replica accepted anything.
+    assert state.route("r1", prompt(1), ["a", "b"]) == Decision("a", 0, "cache_miss")
+    assert state.route("r2", prompt(2), ["a", "b"]) == Decision("a", 300, "cache_hit")
+    assert state.snapshot()["in_flight"] == {"a": 2}
+    state.on_dispatch("r1", prompt(1), "a")  # confirmations change nothing
+    state.on_dispatch("r2", prompt(2), "a")
+    assert state.snapshot()["in_flight"] == {"a": 2}
+
+
+def test_dispatch_elsewhere_moves_the_record_and_a_retry_replaces_it():
+    state = make_state("a", "b")
+    state.route("r1", prompt(1), ["a", "b"])  # chose "a" ...
+    state.on_dispatch("r1", prompt(1), "b")  # ... but Serve placed it on "b"
+    assert state.snapshot()["in_flight"] == {"a": 0, "b": 1}
+    state.on_complete("r1", "b")
+    state.route("r2", [5] * 10, ["a"])
+    state.route("r2", [5] * 10, ["b"])  # Serve asks again: the first record is undone
+    assert state.snapshot()["in_flight"] == {"a": 0, "b": 1}
+
+
+def test_unconfirmed_routes_expire():
+    clock = Clock()
+    state = make_state("a", "b", clock=clock)
+    state.route("r1", prompt(1), ["a", "b"])  # cancelled before Serve placed it
+    state.route("r2", [9] * 10, ["a", "b"])
+    state.on_dispatch("r2", [9] * 10, "b")
+    clock.now = PROVISIONAL_TTL_S + 1
+    state.route("r3", [8] * 10, ["a", "b"])
+    assert state.snapshot()["in_flight"] == {"a": 1, "b": 1}  # r3 on "a"; r1 forgotten
 
 
 def test_end_of_a_refused_attempt_elsewhere_is_ignored():
