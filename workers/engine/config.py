@@ -8,6 +8,11 @@ from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 
+# enable_overlap=None picks, per device type, the mode that measured faster (bench_offline.py
+# --overlap both). CPU: MEASURED_PLACEHOLDER
+# CUDA: the forward runs asynchronously on the GPU, so host work done meanwhile is free.
+OVERLAP_BY_DEVICE = {"cpu": False, "cuda": True}
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -56,6 +61,12 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model_path=model_path, **kwargs)
+
+    def overlap_for(self, device_type: str) -> bool:
+        """Whether the engine overlaps host work with the forward on this device type."""
+        if self.enable_overlap is not None:
+            return self.enable_overlap
+        return OVERLAP_BY_DEVICE.get(device_type, False)
 
     @property
     def chunk_size(self) -> Optional[int]:

@@ -2,7 +2,8 @@
 
 Requests join and leave the running batch at step boundaries. Outputs flow back to asyncio
 consumers through per-request queues, handed over with one `call_soon_threadsafe` per event loop
-per step.
+per step. Commands from the inbox run between steps, when no forward is in flight (in overlap mode
+the forward runs on a second thread; see EngineCore.step).
 """
 
 from __future__ import annotations
@@ -201,12 +202,12 @@ class Engine:
             try:
                 if not self._drain_inbox(self.core.idle_timeout()):
                     break
-                delivered = self.core.step()
+                self.core.step(self._deliver)
             except Exception as exc:  # a bug must not hang every client: fail them all loudly
                 logger.exception("engine step failed")
-                delivered = self.core.fail_all(f"internal engine error: {exc!r}")
-            self._deliver(delivered)
+                self._deliver(self.core.fail_all(f"internal engine error: {exc!r}"))
         self._deliver(self.core.fail_all("engine shut down"))
+        self.core.close()
 
     def _drain_inbox(self, timeout: Optional[float]) -> bool:
         """Run pending commands; wait up to `timeout` for the first one (None: do not wait)."""

@@ -1,24 +1,33 @@
 """The engine's state and one step of work; everything here runs on the engine thread except the
-read-only helpers marked thread-safe."""
+read-only helpers marked thread-safe (and, in overlap mode, the forward on the ForwardWorker's).
+
+A step has three parts: the forward and sampling (ForwardWorker), the token-level updates the next
+schedule depends on (`_apply_tokens`), and the text-level work nothing in scheduling depends on
+but stop strings (`_apply_text`: detokenization, stop strings, chunks). The overlap mode runs the
+text of step N while the forward of step N+1 runs. A stop string found then finishes a sequence
+that is already in step N+1: that step's token for it is dropped, and its KV is released at the
+next step boundary, never while a forward that writes it is in flight.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
-from typing import Any, Optional
+from collections import deque
+from typing import Any, Callable, Optional
 
 import torch
 
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.detokenizer import IncrementalDetokenizer
-from radixserve.workers.engine.grammar import GrammarBackend, apply_bitmask, jump_forward_tokens
+from radixserve.workers.engine.forward_worker import ForwardJob, ForwardWorker
+from radixserve.workers.engine.grammar import GrammarBackend
 from radixserve.workers.engine.kv_pool import KVPool, ReqToTokenPool, max_tokens_for_memory
 from radixserve.workers.engine.model_runner import ModelRunner
 from radixserve.workers.engine.output_processor import OutputProcessor
 from radixserve.workers.engine.radix_cache import NullCache, RadixCache
 from radixserve.workers.engine.request import Req, ReqStatus
-from radixserve.workers.engine.sampler import Sampler, SamplerRow
+from radixserve.workers.engine.sampler import Sampler
 from radixserve.workers.engine.scheduler import BatchKind, Scheduler
 from radixserve.workers.engine.step_stats import StepStats
 from radixserve.workers.models.loader import load_model
@@ -55,15 +64,20 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, self.pool, self.req_pool)
         self.vocab_size = len(self.tokenizer)
         self.sampler = Sampler(self.vocab_size, mc.eos_token_ids, seed=config.random_seed)
-        self.outputs = OutputProcessor(mc.eos_token_ids, self.context_length, config.stream_interval)
+        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.context_length,
+                                       config.stream_interval, config.enable_jump_forward)
+        self.overlap = config.overlap_for(next(loaded.model.parameters()).device.type)
+        self.worker = ForwardWorker(self.runner, self.sampler, threaded=self.overlap)
+        self._prev: Optional[ForwardJob] = None  # overlap: the step whose text is still to do
         self._grammars: Optional[GrammarBackend] = None
+        self._bitmask: Optional[torch.Tensor] = None
         self.grammar_wait: list[tuple[Any, list[Req]]] = []  # (compile future, sequences)
         self.streaming: set[str] = set()
         self.by_rid: dict[str, list[Req]] = {}
+        self.unsent: set[str] = set()  # keys of sequences whose final chunk has not gone out
         self.timing = StepStats()
         self.counters = dict(prompt_tokens_total=0, cached_tokens_total=0, computed_tokens_total=0,
-                             generation_tokens_total=0, num_requests_total=0, num_aborted_total=0,
-                             jump_forward_tokens_total=0)
+                             num_requests_total=0, num_aborted_total=0)
 
     @property
     def grammars(self) -> GrammarBackend:
@@ -119,18 +133,19 @@ class EngineCore:
         return len({r.rid for r in self.scheduler.running})
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.grammar_wait)
+        return self.scheduler.has_work() or bool(self.grammar_wait) or self._prev is not None
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
         return dict(running=len(sched.running), queued=len(sched.waiting), kv_total=self.pool.size,
                     kv_free=self.pool.available(), kv_evictable=self.cache.evictable_size(),
                     kv_protected=self.cache.protected_size(), num_retractions=sched.num_retractions,
-                    **self.counters, **self.timing.summary())
+                    **self.counters, **self.outputs.counters, **self.timing.summary())
 
     # Engine thread ---------------------------------------------------------------------------
     def add(self, reqs: list[Req]) -> None:
         self.by_rid[reqs[0].rid] = reqs
+        self.unsent.update(r.key for r in reqs)
         grammar = reqs[0].params.grammar
         if grammar is not None:
             # Compiles run off this thread; the request waits in the grammar queue meanwhile.
@@ -141,7 +156,7 @@ class EngineCore:
 
     def idle_timeout(self) -> Optional[float]:
         """How long the loop may block for new commands: not at all while there is work."""
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() or self._prev is not None:
             return None
         return GRAMMAR_POLL_S if self.grammar_wait else IDLE_POLL_S
 
@@ -151,12 +166,13 @@ class EngineCore:
             if all(r.aborted for r in reqs):
                 for r in reqs:
                     r.status = ReqStatus.FINISHED
-                    self._finish(r, out)
+                    self._emit_final(r, out)
             elif not fut.done():
                 still.append((fut, reqs))
             elif fut.exception() is not None:
                 for r in reqs:
                     r.status = ReqStatus.FINISHED
+                    self.unsent.discard(r.key)
                 self.by_rid.pop(reqs[0].rid, None)
                 self.streaming.discard(reqs[0].rid)
                 out.append((reqs[0].rid, fut.exception()))
@@ -169,114 +185,146 @@ class EngineCore:
 
     def abort(self, rid: str) -> None:
         for r in self.by_rid.get(rid, ()):
-            if not r.finished:
+            if r.finish_reason is None:  # one that finished already keeps its reason
                 r.aborted = True
                 r.finish("abort", message="aborted by the client")
 
     def flush_cache(self) -> bool:
-        if self.scheduler.has_work():
+        if self.has_work():
             return False
         return bool(self.cache.reset())
 
-    def step(self) -> list[tuple[str, Any]]:
+    def step(self, deliver: Callable[[list], None]) -> None:
+        """Run one batch; hand (rid, OutputChunk | Exception) items to `deliver` once.
+
+        In overlap mode the previous batch's text is produced and delivered while this batch's
+        forward runs, and this batch's text waits for the next call."""
         out: list[tuple[str, Any]] = []
         t0 = time.perf_counter()
+        job = self._begin(out)
+        t1 = time.perf_counter()
+        if not self.overlap:
+            if job is not None:
+                self.worker.run(job)
+                self._apply_tokens(job)
+            t2 = time.perf_counter()
+            self._apply_text(job, out)
+            deliver(out)
+            tokens_s = t2 - job.ended_at if job is not None else 0.0
+            self._record(job, host=(t1 - t0) + tokens_s, text=time.perf_counter() - t2, hidden=0.0)
+            return
+        if job is not None:
+            self.worker.launch(job)
+        prev, self._prev = self._prev, None
+        try:
+            self._apply_text(prev, out)
+            deliver(out)
+        finally:
+            t2 = time.perf_counter()
+            self.worker.wait()
+        if job is None:
+            self._record(None, host=t1 - t0, text=t2 - t1, hidden=0.0)
+            return
+        t3 = time.perf_counter()
+        self._apply_tokens(job)
+        self._prev = job
+        hidden = max(0.0, min(t2, job.ended_at) - job.launched_at)
+        self._record(job, host=(t1 - t0) + (time.perf_counter() - t3), text=t2 - t1, hidden=hidden)
+
+    def _record(self, job: Optional[ForwardJob], host: float, text: float, hidden: float) -> None:
+        if job is None:
+            self.timing.record_idle(host, text)
+            return
+        plan = job.plan
+        self.timing.record(plan.kind.value, len(plan.reqs), plan.num_tokens, schedule=host,
+                           forward=job.forward_s, sample=job.sample_s, text=text, hidden=hidden)
+
+    def _begin(self, out: list) -> Optional[ForwardJob]:
+        """Step-boundary housekeeping (nothing is in flight), then the next plan and its tensors."""
         if self.grammar_wait:
             self._poll_grammars(out)
         for req in self.scheduler.take_aborted():
             req.finish("abort", message="aborted")
-            self._finish(req, out)
+            self._emit_final(req, out)
+        self._release_finished()
         plan = self.scheduler.schedule()
         if plan is None:
-            return out
-        t1 = time.perf_counter()
-        batch = self.runner.prepare(plan)
-        logits = self.runner.forward(batch)
-        t2 = time.perf_counter()
-        sampled = [(i, r) for i, (r, m) in enumerate(zip(plan.reqs, plan.sample_mask))
-                   if m and r.params.max_new_tokens > 0]
-        tokens, logprobs = self._sample(logits, [i for i, _ in sampled], [r for _, r in sampled])
-        t3 = time.perf_counter()
-        self.scheduler.after_step(plan)
+            return None
         if plan.kind is BatchKind.PREFILL:
             self.counters["computed_tokens_total"] += plan.num_tokens
+        return self.worker.prepare(plan, self._bitmask)
+
+    def _release_finished(self) -> None:
+        """Free the KV of sequences that finished since the last boundary (their final chunk may
+        have gone out already). A stop string can finish a retracted sequence: it leaves the queue."""
+        for req in [r for r in self.scheduler.running if r.finish_reason is not None]:
+            self.scheduler.finish(req)
+        if any(r.finish_reason is not None for r in self.scheduler.waiting):
+            for req in [r for r in self.scheduler.waiting if r.finish_reason is not None]:
+                req.status = ReqStatus.FINISHED
+            self.scheduler.waiting = deque(r for r in self.scheduler.waiting if r.finish_reason is None)
+
+    def _apply_tokens(self, job: ForwardJob) -> None:
+        """Token-level results of a step: what the next schedule depends on."""
+        plan = job.plan
+        self.scheduler.after_step(plan)
         for req, m in zip(plan.reqs, plan.sample_mask):
             if m and req.params.max_new_tokens == 0:
                 req.finish("length")
-        for k, (_, req) in enumerate(sampled):
-            self.outputs.append_token(req, tokens[k], logprobs[k] if logprobs else None)
-            if req.grammar is not None and req.finish_reason is None and self.config.enable_jump_forward:
-                self._jump_forward(req)
-        self.counters["generation_tokens_total"] += len(sampled)
-        for req, m in zip(plan.reqs, plan.sample_mask):
-            if req.finish_reason is not None and req.status is ReqStatus.RUNNING:
-                self._finish(req, out)
-            elif m and req.rid in self.streaming:
+        self.outputs.append_sampled(job.reqs, job.tokens, job.logprobs)
+
+    def _apply_text(self, job: Optional[ForwardJob], out: list) -> None:
+        """Text-level results of a step: detokenize, match stop strings, build chunks."""
+        if job is None:
+            return
+        for req, m in zip(job.plan.reqs, job.plan.sample_mask):
+            if not m or req.key not in self.unsent:
+                continue  # mid-prefill, or aborted meanwhile (its final chunk went out)
+            self.outputs.detokenize(req)
+            if req.finish_reason is not None:
+                self._emit_final(req, out)
+            elif req.rid in self.streaming:
                 chunk = self.outputs.take_chunk(req)
                 if chunk is not None:
                     out.append((req.rid, chunk))
-        t4 = time.perf_counter()
-        self.timing.record(plan.kind.value, len(plan.reqs), plan.num_tokens,
-                           schedule=(t1 - t0) + (t4 - t3), forward=t2 - t1, sample=t3 - t2)
-        return out
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]):
-        if not rows:
-            return [], None
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows)]
-        constrained = [k for k, r in enumerate(reqs) if r.grammar is not None]
-        if constrained:
-            for k in constrained:
-                reqs[k].grammar.fill_bitmask(self._bitmask, k)
-            apply_bitmask(logits, self._bitmask, constrained)
-        # A grammar decides when the output may end: min_new_tokens must not mask the stop tokens
-        # it allows (that could leave a row with nothing to sample).
-        batch = self.sampler.prepare([
-            SamplerRow(replace(r.params, min_new_tokens=0) if r.grammar is not None and
-                       r.params.min_new_tokens else r.params,
-                       r.origin_input_ids, r.output_ids, r.generator) for r in reqs])
-        result = self.sampler.sample(logits, batch)
-        return result.token_ids, result.logprobs
-
-    def _jump_forward(self, req: Req) -> None:
-        """Append the tokens the grammar forces; the next step computes them all in one extend
-        instead of one decode step each."""
-        forced = jump_forward_tokens(self.tokenizer, req.grammar, req.output_ids[-1])
-        for token in forced[:req.max_new_remaining]:
-            self.outputs.append_token(req, token, None, accepted=True)
-            self.counters["jump_forward_tokens_total"] += 1
-            if req.finish_reason is not None:
-                break
-
-    def _finish(self, req: Req, out: list) -> None:
-        """Release a finished or aborted sequence and emit its final chunk."""
-        if req.status is not ReqStatus.FINISHED:
-            self.scheduler.finish(req)
-        chunk = self.outputs.take_chunk(req)
-        out.append((req.rid, chunk))
+    def _emit_final(self, req: Req, out: list) -> None:
+        """Emit a finished sequence's final chunk (once); its KV is released separately."""
+        if req.key not in self.unsent:
+            return
+        self.unsent.discard(req.key)
+        out.append((req.rid, self.outputs.take_chunk(req)))
         self.counters["prompt_tokens_total"] += len(req.origin_input_ids)
         self.counters["cached_tokens_total"] += req.cached_tokens or 0
         self.counters["num_requests_total"] += req.index == 0
         if req.finish_reason and req.finish_reason["type"] == "abort":
             self.counters["num_aborted_total"] += req.index == 0
-        siblings = self.by_rid.get(req.rid, ())
-        if all(r.finished for r in siblings):
+        if not any(r.key in self.unsent for r in self.by_rid.get(req.rid, ())):
             self.by_rid.pop(req.rid, None)
             self.streaming.discard(req.rid)
 
     def fail_all(self, message: str) -> list[tuple[str, Any]]:
-        """Finish every request with an abort (after an internal error or at shutdown)."""
+        """Finish every request with an abort (after an internal error or at shutdown). Call with
+        no forward in flight."""
         out: list[tuple[str, Any]] = []
+        prev, self._prev = self._prev, None
+        try:
+            self._apply_text(prev, out)  # sequences that did finish keep their real final chunk
+        except Exception:
+            logger.exception("producing the last outputs failed")
+        for req in list(self.scheduler.running):
+            req.finish("abort", message=message)
+            self.scheduler.finish(req)
         for reqs in list(self.by_rid.values()):
             for req in reqs:
-                if not req.finished:
+                if req.key in self.unsent:
                     req.finish("abort", message=message)
-                    if req.status is ReqStatus.RUNNING:
-                        self.scheduler.running.remove(req)
                     if req.status is not ReqStatus.FINISHED:
                         self.scheduler.release(req)
-                    self._finish(req, out)
+                    self._emit_final(req, out)
         self.scheduler.waiting.clear()
         self.grammar_wait.clear()
         return out
+
+    def close(self) -> None:
+        self.worker.close()

@@ -1,10 +1,18 @@
-"""After a step: append sampled tokens, decide who finished, and build the chunks to stream."""
+"""After a step: append sampled tokens, decide who finished, and build the chunks to stream.
+
+The work is split in two so that the overlap loop can run the second part while the next forward
+runs: `append_token` does the token-level work the next schedule depends on (output ids, grammar,
+EOS / stop_token_ids / length), `detokenize` and `take_chunk` the text-level work nothing in
+scheduling depends on except stop strings (incremental detokenization, stop-string matching,
+chunks).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
+from radixserve.workers.engine.grammar import jump_forward_tokens
 from radixserve.workers.engine.request import Req
 from radixserve.workers.protocol import OutputChunk, TokenLogprob
 
@@ -12,29 +20,68 @@ from radixserve.workers.protocol import OutputChunk, TokenLogprob
 class PendingOutput:
     """What a sequence produced since its last chunk was sent."""
 
-    __slots__ = ("token_ids", "text", "logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "undecoded")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: Optional[list[TokenLogprob]] = None
+        self.undecoded = 0  # trailing token_ids not yet fed to the detokenizer
 
 
 class OutputProcessor:
-    def __init__(self, eos_token_ids: list[int], context_length: int, stream_interval: int = 1):
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], context_length: int,
+                 stream_interval: int = 1, jump_forward: bool = True):
+        self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self.context_length = context_length
         self.stream_interval = stream_interval
+        self.jump_forward = jump_forward
         self.pending: dict[str, PendingOutput] = {}
+        self.counters = dict(generation_tokens_total=0, jump_forward_tokens_total=0,
+                             dropped_tokens_total=0)
+
+    def append_sampled(self, reqs: list[Req], tokens: list[int],
+                       logprobs: Optional[list[Optional[TokenLogprob]]]) -> None:
+        """A step's sampled tokens, one per sequence, then the tokens grammars force after them."""
+        for k, req in enumerate(reqs):
+            if req.finish_reason is not None:
+                # Overlap mode: a stop string ended it while this step ran. The token is dropped
+                # (never appended, counted or streamed), as if the step had not included it.
+                self.counters["dropped_tokens_total"] += 1
+                continue
+            self.append_token(req, tokens[k], logprobs[k] if logprobs else None)
+            self.counters["generation_tokens_total"] += 1
+            # Jump-forward appends several tokens at once; a stop string among them must cut the
+            # output where it ends, so these sequences are detokenized token by token here.
+            eager = req.grammar is not None and bool(req.params.stop)
+            if eager:
+                self.detokenize(req)
+            if req.grammar is not None and req.finish_reason is None and self.jump_forward:
+                self._jump_forward(req, eager)
+
+    def _jump_forward(self, req: Req, eager: bool) -> None:
+        """Append the tokens the grammar forces; the next step computes them all in one extend
+        instead of one decode step each."""
+        forced = jump_forward_tokens(self.tokenizer, req.grammar, req.output_ids[-1])
+        for token in forced[:req.max_new_remaining]:
+            self.append_token(req, token, None, accepted=True)
+            self.counters["jump_forward_tokens_total"] += 1
+            if eager:
+                self.detokenize(req)
+            if req.finish_reason is not None:
+                break
 
     def append_token(self, req: Req, token: int, logprob: Optional[TokenLogprob],
                      accepted: bool = False) -> None:
-        """Record one sampled token and finish the sequence if a token-level stop condition holds."""
+        """Record one sampled token and finish the sequence if a token-level stop condition holds.
+        The token's text is produced later, by `detokenize`."""
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         req.output_ids.append(token)
         out = self.pending.setdefault(req.key, PendingOutput())
         out.token_ids.append(token)
+        out.undecoded += 1
         if logprob is not None:
             if out.logprobs is None:
                 out.logprobs = []
@@ -42,10 +89,6 @@ class OutputProcessor:
         if req.grammar is not None and not accepted and not req.grammar.accept_token(token):
             req.finish("abort", message=f"internal error: token {token} violates the grammar")
         self._check_token_finish(req, token)
-        text, matched = req.detokenizer.add([token])
-        out.text += text
-        if matched is not None:
-            req.finish("stop", matched)
 
     def _check_token_finish(self, req: Req, token: int) -> None:
         p = req.params
@@ -62,9 +105,27 @@ class OutputProcessor:
         elif n_out >= p.max_new_tokens or req.seq_len >= self.context_length:
             req.finish("length")
 
+    def detokenize(self, req: Req) -> bool:
+        """Turn the tokens appended since the last call into text, one at a time; True if a stop
+        string matched (the sequence is then finished with reason "stop")."""
+        out = self.pending.get(req.key)
+        if out is None or not out.undecoded:
+            return False
+        new = out.token_ids[len(out.token_ids) - out.undecoded:]
+        out.undecoded = 0
+        for token in new:
+            text, matched = req.detokenizer.add([token])
+            out.text += text
+            if matched is not None:
+                req.finish("stop", matched)
+                return True
+        return False
+
     def take_chunk(self, req: Req, force: bool = False) -> Optional[OutputChunk]:
         """The chunk to send now, if any: streaming sends every `stream_interval` tokens, the final
-        chunk always goes, and a non-streaming request gets one chunk at the end."""
+        chunk always goes, and a non-streaming request gets one chunk at the end. Detokenizes what
+        is still undecoded first."""
+        self.detokenize(req)
         out = self.pending.get(req.key)
         final = req.finish_reason is not None
         if final:
@@ -86,4 +147,3 @@ class OutputProcessor:
 
     def drop(self, req: Req) -> None:
         self.pending.pop(req.key, None)
-

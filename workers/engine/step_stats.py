@@ -1,4 +1,11 @@
-"""Per-step timings (scheduling vs forward vs sampling), kept for metrics and benchmarks."""
+"""Per-step timings, kept for metrics and benchmarks.
+
+Per step: `schedule` is host time on the critical path (step-boundary housekeeping, scheduling,
+building tensors, token-level updates), `forward` and `sample` the model and the sampler, `text`
+the text-level work (detokenization, stop strings, chunks, delivery) and `hidden` how much of that
+text work ran while a forward was in flight (overlap mode; 0 otherwise). Host time not hidden is
+`schedule + text - hidden`.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +13,40 @@ from collections import deque
 from typing import Any
 
 WINDOW = 512  # recent steps averaged in `summary`
+_FIELDS = ("schedule", "forward", "sample", "text", "hidden")
 
 
 class StepStats:
     def __init__(self) -> None:
-        self.recent: deque[tuple[str, int, int, float, float, float]] = deque(maxlen=WINDOW)
-        self.totals = {"steps": 0, "schedule_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
+        # (kind, num_reqs, num_tokens, schedule, forward, sample, text, hidden)
+        self.recent: deque[tuple] = deque(maxlen=WINDOW)
+        self.totals: dict[str, Any] = {"steps": 0, **{f"{k}_s": 0.0 for k in _FIELDS}}
 
     def record(self, kind: str, num_reqs: int, num_tokens: int, schedule: float, forward: float,
-               sample: float) -> None:
-        self.recent.append((kind, num_reqs, num_tokens, schedule, forward, sample))
+               sample: float, text: float = 0.0, hidden: float = 0.0) -> None:
+        self.recent.append((kind, num_reqs, num_tokens, schedule, forward, sample, text, hidden))
         t = self.totals
         t["steps"] += 1
-        t["schedule_s"] += schedule
-        t["forward_s"] += forward
-        t["sample_s"] += sample
+        for k, v in zip(_FIELDS, (schedule, forward, sample, text, hidden)):
+            t[f"{k}_s"] += v
+
+    def record_idle(self, schedule: float, text: float) -> None:
+        """Host work of a loop turn that launched no forward (the last step's text, housekeeping)."""
+        self.totals["schedule_s"] += schedule
+        self.totals["text_s"] += text
 
     def summary(self) -> dict[str, Any]:
+        t = self.totals
         out: dict[str, Any] = {f"step_{k}": round(v, 6) if isinstance(v, float) else v
-                               for k, v in self.totals.items()}
+                               for k, v in t.items()}
+        host = t["schedule_s"] + t["text_s"]
+        out["step_host_hidden_fraction"] = round(t["hidden_s"] / host, 4) if host else 0.0
         for kind in ("prefill", "decode"):
             rows = [r for r in self.recent if r[0] == kind]
             if not rows:
                 continue
             n = len(rows)
             out[f"{kind}_batch_size_avg"] = round(sum(r[1] for r in rows) / n, 2)
-            out[f"{kind}_forward_ms_avg"] = round(1000 * sum(r[4] for r in rows) / n, 3)
-            out[f"{kind}_schedule_ms_avg"] = round(1000 * sum(r[3] for r in rows) / n, 3)
-            out[f"{kind}_sample_ms_avg"] = round(1000 * sum(r[5] for r in rows) / n, 3)
+            for i, k in enumerate(_FIELDS, start=3):
+                out[f"{kind}_{k}_ms_avg"] = round(1000 * sum(r[i] for r in rows) / n, 3)
         return out

@@ -1,0 +1,130 @@
+"""Runs one planned batch through the model and the sampler, inline or on a thread of its own.
+
+The overlap loop launches step N+1 here and, while it runs, turns step N's tokens into text on the
+engine thread. What the engine thread may do meanwhile is the contract below.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+
+from radixserve.workers.engine.forward_batch import ForwardBatch
+from radixserve.workers.engine.grammar import apply_bitmask
+from radixserve.workers.engine.model_runner import ModelRunner
+from radixserve.workers.engine.request import Req
+from radixserve.workers.engine.sampler import Sampler, SamplerRow, SamplingBatch
+from radixserve.workers.engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class ForwardJob:
+    """One step: the plan, its tensors, and (after `run`) the sampled tokens."""
+
+    plan: ScheduledBatch
+    batch: ForwardBatch
+    rows: list[int]  # logits rows that are sampled (plan positions with a token to sample)
+    reqs: list[Req]  # the sequence of each sampled row
+    sampling: Optional[SamplingBatch]
+    bitmask: Optional[torch.Tensor]  # filled for the constrained rows, None if there are none
+    constrained: list[int]
+    launched_at: float = 0.0
+    # Results, written by `run`
+    tokens: list[int] = field(default_factory=list)
+    logprobs: Optional[list] = None
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    ended_at: float = 0.0
+
+
+class ForwardWorker:
+    """`prepare` runs on the engine thread; `run` (inline) or `launch` + `wait` (threaded) do the
+    forward and the sampling.
+
+    Between `launch` and `wait` the engine thread must not allocate or free KV slots, write the
+    request-to-token table, touch the bitmask or the sampler, or change the planned requests'
+    token lists: the forward reads and writes them. Grammar matchers are only used by `prepare`.
+    """
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, threaded: bool):
+        self.runner = runner
+        self.sampler = sampler
+        self._jobs: Optional[queue.SimpleQueue] = None
+        self._inflight: Optional[tuple[ForwardJob, Future]] = None
+        if threaded:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, name="radixserve-forward", daemon=True).start()
+
+    def prepare(self, plan: ScheduledBatch, bitmask: Optional[torch.Tensor]) -> ForwardJob:
+        """Host-side tensors for the model and the sampler; fills the grammar bitmask."""
+        picked = [(i, r) for i, (r, m) in enumerate(zip(plan.reqs, plan.sample_mask))
+                  if m and r.params.max_new_tokens > 0]
+        reqs = [r for _, r in picked]
+        constrained = [k for k, r in enumerate(reqs) if r.grammar is not None]
+        for k in constrained:
+            reqs[k].grammar.fill_bitmask(bitmask, k)
+        # A grammar decides when the output may end: min_new_tokens must not mask the stop tokens
+        # it allows (that could leave a row with nothing to sample).
+        sampling = self.sampler.prepare([
+            SamplerRow(replace(r.params, min_new_tokens=0) if r.grammar is not None and
+                       r.params.min_new_tokens else r.params,
+                       r.origin_input_ids, r.output_ids, r.generator) for r in reqs]) if reqs else None
+        return ForwardJob(plan, self.runner.prepare(plan), [i for i, _ in picked], reqs, sampling,
+                          bitmask if constrained else None, constrained)
+
+    def run(self, job: ForwardJob) -> ForwardJob:
+        t0 = time.perf_counter()
+        logits = self.runner.forward(job.batch)
+        t1 = time.perf_counter()
+        if job.rows:
+            if len(job.rows) != logits.shape[0]:
+                logits = logits[torch.tensor(job.rows)]
+            if job.constrained:
+                apply_bitmask(logits, job.bitmask, job.constrained)
+            result = self.sampler.sample(logits, job.sampling)
+            job.tokens, job.logprobs = result.token_ids, result.logprobs
+        job.ended_at = time.perf_counter()
+        job.forward_s, job.sample_s = t1 - t0, job.ended_at - t1
+        return job
+
+    # Threaded mode ---------------------------------------------------------------------------
+    def launch(self, job: ForwardJob) -> None:
+        assert self._jobs is not None and self._inflight is None, "one job at a time, threaded only"
+        fut: Future = Future()
+        job.launched_at = time.perf_counter()
+        self._inflight = (job, fut)
+        self._jobs.put((job, fut))
+
+    def wait(self) -> Optional[ForwardJob]:
+        """The launched job once it has run (re-raises its error); None if nothing is in flight."""
+        if self._inflight is None:
+            return None
+        job, fut = self._inflight
+        try:
+            fut.result()
+        finally:
+            self._inflight = None
+        return job
+
+    def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.put(None)
+
+    def _serve(self) -> None:
+        torch.set_grad_enabled(False)  # grad mode is per thread
+        while True:
+            item: Any = self._jobs.get()
+            if item is None:
+                return
+            job, fut = item
+            try:
+                self.run(job)
+                fut.set_result(job)
+            except BaseException as exc:  # handed to the engine thread, which fails the requests
+                fut.set_exception(exc)
