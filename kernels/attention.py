@@ -70,34 +70,34 @@ class _ExtendSeq:
     mask: Optional[torch.Tensor]  # [E, L] bool, True = attend; None = plain causal over new tokens
 
 
-class CpuBackend(AttentionBackend):
-    """The fast CPU path.
+@dataclass
+class _ExtendMeta:
+    kv_indices: torch.Tensor  # contiguous int64 copies for the C++ kernel
+    seq_lens: torch.Tensor
+    cu_extend: torch.Tensor  # [B + 1]
+    seqs: Optional[list[_ExtendSeq]] = None  # built on first use by the SDPA fallback
 
-    Decode: the fused C++ kernel (kernels/cpu_ops.decode_attention): each sequence's K/V rows are
-    read once straight from the pool for all query heads of their KV group, float32 softmax and
-    accumulation. (torch's flash-attention CPU kernel is several times slower for one query per
-    sequence; the torch fallback is one index_select per buffer and two batched matmuls.)
-    Extend: per sequence SDPA; a sequence without a cached prefix attends over its own new k/v
-    with is_causal (no gather), one with a prefix gathers its slots with a bottom-right causal mask.
+
+class CpuBackend(AttentionBackend):
+    """The fast CPU path: fused C++ kernels (kernels/cpu_ops) reading K/V straight from the pool.
+
+    Decode: each sequence's K/V rows are read once for all query heads of their KV group, float32
+    softmax and accumulation (torch's flash-attention CPU kernel is several times slower for one
+    query per sequence). Extend: one call for the whole batch, flash-style blocks of 32 tokens over
+    key blocks with causal block skipping; about 2x torch SDPA at 128-512 tokens.
+    Without the extension: decode is one index_select per buffer and two batched matmuls, extend is
+    SDPA per sequence (is_causal without a prefix, a bottom-right causal mask with one).
     """
 
     name = "cpu"
 
     def prepare(self, batch: ForwardBatch) -> None:
+        kv_indices, seq_lens = batch.kv_indices.contiguous(), batch.seq_lens.contiguous()
         if batch.mode == ForwardMode.DECODE:
-            batch.attn_metadata = (batch.kv_indices.contiguous(), batch.seq_lens.contiguous())
-            return
-        seqs = []
-        cu = batch.cu_extend
-        for i, (seq_len, prefix) in enumerate(zip(batch.seq_lens_list, batch.prefix_lens_list)):
-            if prefix == 0:
-                seqs.append(_ExtendSeq(cu[i], cu[i + 1], None, None))
-                continue
-            device = batch.kv_indices.device
-            query_pos = prefix + torch.arange(seq_len - prefix, device=device).unsqueeze(1)
-            mask = torch.arange(seq_len, device=device).unsqueeze(0) <= query_pos
-            seqs.append(_ExtendSeq(cu[i], cu[i + 1], batch.kv_indices[i, :seq_len], mask))
-        batch.attn_metadata = seqs
+            batch.attn_metadata = (kv_indices, seq_lens)
+        else:
+            cu = torch.tensor(batch.cu_extend, dtype=torch.int64, device=kv_indices.device)
+            batch.attn_metadata = _ExtendMeta(kv_indices, seq_lens, cu)
 
     def forward(self, q, k, v, layer_id, batch, kv_pool):
         store_kv(k, v, layer_id, batch, kv_pool)
@@ -105,29 +105,47 @@ class CpuBackend(AttentionBackend):
             self.prepare(batch)
         k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
         if batch.mode == ForwardMode.DECODE:
-            return self._decode(q, k_buf, v_buf, batch)
-        return self._extend(q, k, v, k_buf, v_buf, batch)
+            kv_indices, seq_lens = batch.attn_metadata
+            out = cpu_ops.decode_attention(q.to(k_buf.dtype), k_buf, v_buf, kv_indices, seq_lens)
+            return out.to(q.dtype)
+        meta = batch.attn_metadata
+        out = cpu_ops.extend_attention_native(q.to(k_buf.dtype), k_buf, v_buf, meta.kv_indices, meta.seq_lens,
+                                              meta.cu_extend)
+        if out is not None:
+            return out.to(q.dtype)
+        if meta.seqs is None:
+            meta.seqs = _extend_seqs(batch)
+        return _extend_sdpa(q, k, v, k_buf, v_buf, meta.seqs)
 
-    @staticmethod
-    def _decode(q, k_buf, v_buf, batch) -> torch.Tensor:
-        kv_indices, seq_lens = batch.attn_metadata
-        return cpu_ops.decode_attention(q.to(k_buf.dtype), k_buf, v_buf, kv_indices, seq_lens).to(q.dtype)
 
-    @staticmethod
-    def _extend(q, k, v, k_buf, v_buf, batch) -> torch.Tensor:
-        out = torch.empty_like(q)
-        for seq in batch.attn_metadata:
-            queries = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
-            if seq.slots is None:
-                keys = k[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
-                values = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
-            else:
-                keys = k_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-                values = v_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-                o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, enable_gqa=True)
-            out[seq.start : seq.end] = o.squeeze(0).transpose(0, 1)
-        return out
+def _extend_seqs(batch: ForwardBatch) -> list[_ExtendSeq]:
+    seqs = []
+    cu = batch.cu_extend
+    device = batch.kv_indices.device
+    for i, (seq_len, prefix) in enumerate(zip(batch.seq_lens_list, batch.prefix_lens_list)):
+        if prefix == 0:
+            seqs.append(_ExtendSeq(cu[i], cu[i + 1], None, None))
+            continue
+        query_pos = prefix + torch.arange(seq_len - prefix, device=device).unsqueeze(1)
+        mask = torch.arange(seq_len, device=device).unsqueeze(0) <= query_pos
+        seqs.append(_ExtendSeq(cu[i], cu[i + 1], batch.kv_indices[i, :seq_len], mask))
+    return seqs
+
+
+def _extend_sdpa(q, k, v, k_buf, v_buf, seqs: list[_ExtendSeq]) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for seq in seqs:
+        queries = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
+        if seq.slots is None:
+            keys = k[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+            values = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            keys = k_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            values = v_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, enable_gqa=True)
+        out[seq.start : seq.end] = o.squeeze(0).transpose(0, 1)
+    return out
 
 
 _BACKENDS = {"torch_ref": TorchReferenceBackend, "cpu": CpuBackend}

@@ -106,6 +106,16 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     return decode_attention_torch(q, k_buf, v_buf, kv_indices, seq_lens)
 
 
+def extend_attention_native(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+                            seq_lens: torch.Tensor, cu_extend: torch.Tensor) -> Optional[torch.Tensor]:
+    """Causal prefill attention for a whole batch over the pool (new K/V already stored), or None
+    where the extension cannot run it (the caller then uses SDPA per sequence)."""
+    if not (_usable(q, k_buf, v_buf) and q.dtype == k_buf.dtype == v_buf.dtype and q.stride(-1) == 1):
+        return None
+    return native_ops().extend_attention(q, k_buf, v_buf, kv_indices.contiguous(), seq_lens.contiguous(),
+                                         cu_extend.contiguous(), 1.0 / math.sqrt(q.shape[-1]))
+
+
 # The torch versions: fallbacks where the extension is unavailable, and the references its tests
 # compare against.
 

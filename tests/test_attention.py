@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.model_driver import make_batch
+from radixserve.kernels import cpu_ops
 from radixserve.kernels.attention import CpuBackend, TorchReferenceBackend, get_backend
 from radixserve.workers.engine.forward_batch import ForwardMode
 from radixserve.workers.engine.kv_pool import KVPool
@@ -33,7 +34,7 @@ def _scatter_slots(pool: KVPool, lengths: list[int], gen: torch.Generator) -> li
 def _run(backend, mode, prefix_lens, extend_lens, heads, kv_heads, dtype, seed=0, head_dim=32):
     """Fill the prefixes' KV with random values, run one layer of `backend`, return (out, pool)."""
     gen = torch.Generator().manual_seed(seed)
-    pool = KVPool(2, kv_heads, head_dim, 512, dtype=dtype)
+    pool = KVPool(2, kv_heads, head_dim, 1024, dtype=dtype)
     for buf in pool.k_buffers + pool.v_buffers:
         buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
     slots = _scatter_slots(pool, [p + e for p, e in zip(prefix_lens, extend_lens)], gen)
@@ -51,19 +52,25 @@ CASES = {
     "extend_no_prefix_ragged": (ForwardMode.EXTEND, [0, 0, 0], [5, 1, 17]),
     "extend_with_prefixes": (ForwardMode.EXTEND, [7, 0, 30], [4, 9, 1]),
     "extend_single_long": (ForwardMode.EXTEND, [100], [60]),
+    "extend_many_blocks": (ForwardMode.EXTEND, [0, 45], [130, 70]),
     "decode_ragged": (ForwardMode.DECODE, [3, 40, 0, 12], [1, 1, 1, 1]),
     "decode_equal": (ForwardMode.DECODE, [20, 20], [1, 1]),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 32), (4, 1, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_backend_matches_reference(case, heads, kv_heads, dtype):
+@pytest.mark.parametrize("ops", ["native", "torch"])
+def test_cpu_backend_matches_reference(case, heads, kv_heads, head_dim, dtype, ops, monkeypatch):
+    if ops == "native" and cpu_ops.native_ops() is None:
+        pytest.skip("C++ extension not built")
+    if ops == "torch":  # the fallbacks: torch decode, SDPA extend
+        monkeypatch.setattr(cpu_ops, "native_ops", lambda: None)
     mode, prefix_lens, extend_lens = CASES[case]
-    ours, *_ = _run(CpuBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype)
-    ref, *_ = _run(TorchReferenceBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype)
-    assert ours.shape == ref.shape == (sum(extend_lens), heads, 32)
+    ours, *_ = _run(CpuBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim)
+    ref, *_ = _run(TorchReferenceBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim)
+    assert ours.shape == ref.shape == (sum(extend_lens), heads, head_dim)
     assert ours.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)

@@ -1,8 +1,9 @@
 """Building blocks shared by the decoder models: RMSNorm, rotary embedding, fused projections.
 
 Everything runs in the model dtype except the reductions of RMSNorm (float32, as the reference
-implementations do). The elementwise work goes through kernels.cpu_ops (fused C++ where built). Fusion of q/k/v and gate/up into one Linear happens here, at load time, so a
-layer issues one GEMM where Hugging Face issues three.
+implementations do). The elementwise work goes through kernels.cpu_ops (fused C++ where built).
+q/k/v and gate/up are fused into one Linear each at load time, so a layer issues one GEMM where
+Hugging Face issues three.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table.
 
     The table holds every position up to `max_positions` in the model dtype, so a forward pass
-    costs one gather per batch (`cos_sin`) and a few elementwise ops per layer (`apply`).
+    costs one gather per batch (`cos_sin`) and one in-place op per layer (`apply_`).
     """
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype, device=None):
