@@ -100,3 +100,33 @@ def test_decode_attention(dtype, head_dim, heads, kv_heads, impl):
         ours = cpu_ops.decode_attention_torch(q, k_buf, v_buf, kv_indices, seq_lens)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ours.float(), _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens), atol=tol, rtol=tol)
+
+
+@needs_native
+def test_kernels_release_the_gil():
+    """The engine overlaps Python work with the forward on another thread: a kernel must not
+    hold the GIL while it runs."""
+    import threading
+
+    n = 1024
+    k_buf = torch.randn(n + 1, 1, 64).to(torch.bfloat16)
+    q = torch.randn(n, 4, 64).to(torch.bfloat16)
+    ticks, stop = [0], [False]
+
+    def spin():
+        while not stop[0]:
+            ticks[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    during = []
+    try:
+        for _ in range(3):
+            before = ticks[0]  # read while this thread holds the GIL
+            native.extend_attention(q, k_buf, k_buf, torch.arange(1, n + 1).view(1, -1), torch.tensor([n]),
+                                    torch.tensor([0, n]), 0.125)
+            during.append(ticks[0] - before)
+    finally:
+        stop[0] = True
+        thread.join()
+    assert max(during) > 1000

@@ -539,10 +539,13 @@ torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k_bu
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32 math)");
-  m.def("add_rms_norm_", &add_rms_norm_, "h += delta in place, then RMSNorm(h)");
-  m.def("rotary_", &rotary_, "neox rotary in place on [T, heads, D]");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over [T, 2I]");
-  m.def("extend_attention", &extend_attention, "causal prefill attention over paged K/V, whole batch");
-  m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over paged K/V");
+  // Release the GIL like torch ops do, so Python threads (e.g. the engine's output processing
+  // overlapped with the forward) keep running while a kernel works.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32 math)", release());
+  m.def("add_rms_norm_", &add_rms_norm_, "h += delta in place, then RMSNorm(h)", release());
+  m.def("rotary_", &rotary_, "neox rotary in place on [T, heads, D]", release());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over [T, 2I]", release());
+  m.def("extend_attention", &extend_attention, "causal prefill attention over paged K/V, whole batch", release());
+  m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over paged K/V", release());
 }

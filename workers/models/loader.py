@@ -20,6 +20,7 @@ import torch
 # Set before transformers / huggingface_hub are imported anywhere downstream of us.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from radixserve.kernels import cpu_ops  # noqa: E402
 from radixserve.kernels.attention import get_backend  # noqa: E402
 from radixserve.kernels.cpu_runtime import tune_malloc  # noqa: E402
 from radixserve.workers.models.config import ModelConfig  # noqa: E402
@@ -150,6 +151,7 @@ def build_model(config: ModelConfig, attention_backend: str = "auto", device: st
     backend = get_backend(attention_backend, device)
     if device == "cpu":
         tune_malloc()
+        cpu_ops.native_ops()  # build (first time on a machine, ~1 min) now, not in the first forward
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, backend, rotary_device=device)
     return model.to_empty(device=device).eval()
