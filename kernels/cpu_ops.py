@@ -1,4 +1,4 @@
-"""Fused CPU ops (csrc/cpu_ops.cpp) with plain-torch fallbacks that compute the same thing.
+"""Fused CPU ops (csrc/*.cpp) with plain-torch fallbacks that compute the same thing.
 
 The C++ extension is compiled at first use with torch.utils.cpp_extension (g++ and ninja needed)
 into torch's extension cache, one build per source and CPU feature set. Where it cannot be built
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCE = _CSRC / "cpu_ops.cpp"  # includes the other files of csrc/
 # -fno-trapping-math lets float->int conversions (the exp polynomial) vectorize; results unchanged.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
 
@@ -43,7 +44,9 @@ def native_ops() -> Optional[Any]:
         from torch.utils.cpp_extension import load
 
         # -march=native code must never run on another CPU: the CPU's flags are part of the name.
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode())
+        key = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_signature().encode())
+        for path in sorted(_CSRC.iterdir()):
+            key.update(path.read_bytes())
         return load(
             name=f"radixserve_cpu_ops_{key.hexdigest()[:12]}",
             sources=[str(_SOURCE)],

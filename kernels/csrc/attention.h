@@ -1,0 +1,351 @@
+#pragma once
+
+// Attention over the paged KV pool, float32 softmax and accumulation.
+//   decode_attention  one query per sequence, parallel over (sequence, kv head); each K/V row is
+//                     read once for all G query heads of its group.
+//   extend_attention  causal prefill for a whole batch, flash-style blocks (see below).
+
+#include <array>
+
+#include "common.h"
+
+namespace radixserve {
+namespace {
+
+// One (sequence, kv head) item of decode attention. DIM > 0 fixes the head size at compile time
+// (fully unrolled inner loops, accumulators in registers); DIM == 0 reads it from `dim`.
+template <typename E, int DIM>
+void decode_item(const typename E::T* __restrict__ q, int64_t q_stride_h, const typename E::T* __restrict__ k_buf,
+                 const typename E::T* __restrict__ v_buf, const int64_t* __restrict__ slots, int64_t len,
+                 int64_t row, int64_t group, int64_t dim_rt, float scale, typename E::T* __restrict__ out,
+                 std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt;
+  qf.resize(group * dim);
+  acc.assign(group * dim, 0.f);
+  scores.resize(group * len);
+  for (int64_t g = 0; g < group; ++g) {
+    const typename E::T* qr = q + g * q_stride_h;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = E::load(qr[d]) * scale;
+  }
+  float* __restrict__ sc = scores.data();
+  const float* __restrict__ qp = qf.data();
+  for (int64_t l = 0; l < len; ++l) {
+    const typename E::T* __restrict__ kr = k_buf + slots[l] * row;
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < dim; ++d) s += qp[g * dim + d] * E::load(kr[d]);
+      sc[g * len + l] = s;
+    }
+  }
+  std::vector<float> inv_sum(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* __restrict__ sg = sc + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t l = 0; l < len; ++l) m = std::max(m, sg[l]);
+#pragma omp simd
+    for (int64_t l = 0; l < len; ++l) sg[l] = exp_any(sg[l] - m);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t l = 0; l < len; ++l) total += sg[l];
+    inv_sum[g] = 1.f / total;
+  }
+  float* __restrict__ ap = acc.data();
+  for (int64_t l = 0; l < len; ++l) {
+    const typename E::T* __restrict__ vr = v_buf + slots[l] * row;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = sc[g * len + l];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) ap[g * dim + d] += p * E::load(vr[d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = E::store(ap[g * dim + d] * inv_sum[g]);
+  }
+}
+
+template <typename E>
+void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q_stride_h, const typename E::T* k_buf,
+                           const typename E::T* v_buf, const int64_t* kv_indices, int64_t width,
+                           const int64_t* seq_lens, typename E::T* out, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t dim, float scale) {
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * dim;  // elements per slot in the K/V buffers
+  at::parallel_for(0, batch * kv_heads, 1, [=](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, kh = item % kv_heads;
+      const auto* qb = q + b * q_stride_t + kh * group * q_stride_h;
+      auto* ob = out + (b * heads + kh * group) * dim;
+      const int64_t* slots = kv_indices + b * width;
+      const auto* kb = k_buf + kh * dim;
+      const auto* vb = v_buf + kh * dim;
+      if (dim == 64) {
+        decode_item<E, 64>(qb, q_stride_h, kb, vb, slots, seq_lens[b], row, group, dim, scale, ob, qf, acc, scores);
+      } else if (dim == 128) {
+        decode_item<E, 128>(qb, q_stride_h, kb, vb, slots, seq_lens[b], row, group, dim, scale, ob, qf, acc, scores);
+      } else {
+        decode_item<E, 0>(qb, q_stride_h, kb, vb, slots, seq_lens[b], row, group, dim, scale, ob, qf, acc, scores);
+      }
+    }
+  });
+}
+
+
+// Extend (prefill) attention for a whole batch, reading K/V from the pool (the new tokens' K/V
+// already written). Sequence b has its new tokens at q rows [cu[b], cu[b+1]) at positions
+// prefix_b + j and attends causally over kv_indices[b, :seq_lens[b]]. Flash-style: K (transposed)
+// and V of every (sequence, kv head) are converted to float32 once, then blocks of QB tokens x G
+// heads run online softmax over key blocks of KB, skipping blocks beyond their causal limit.
+constexpr int64_t kQB = 32;
+constexpr int64_t kKB = 32;
+
+struct KVScratch {
+  std::vector<float> kt, v;      // per (b, kh): K as [D][Lpad], V as [Lpad][D]
+  std::vector<int64_t> base, lpad;  // offset and padded length per (b, kh)
+};
+
+template <typename E>
+void convert_kv(const typename E::T* k_buf, const typename E::T* v_buf, const int64_t* kv_indices, int64_t width,
+                const int64_t* seq_lens, int64_t batch, int64_t kv_heads, int64_t dim, KVScratch& sc) {
+  const int64_t row = kv_heads * dim;
+  sc.base.resize(batch * kv_heads);
+  sc.lpad.resize(batch * kv_heads);
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      sc.base[b * kv_heads + kh] = total;
+      sc.lpad[b * kv_heads + kh] = (seq_lens[b] + kKB - 1) / kKB * kKB;
+      total += sc.lpad[b * kv_heads + kh] * dim;
+    }
+  }
+  sc.kt.assign(total, 0.f);
+  sc.v.assign(total, 0.f);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, kh = item % kv_heads, lp = sc.lpad[item];
+      float* kt = sc.kt.data() + sc.base[item];
+      float* vv = sc.v.data() + sc.base[item];
+      for (int64_t l = 0; l < seq_lens[b]; ++l) {
+        const int64_t slot = kv_indices[b * width + l];
+        const typename E::T* kr = k_buf + slot * row + kh * dim;
+        const typename E::T* vr = v_buf + slot * row + kh * dim;
+        for (int64_t d = 0; d < dim; ++d) kt[d * lp + l] = E::load(kr[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) vv[l * dim + d] = E::load(vr[d]);
+      }
+    }
+  });
+}
+
+// Online-softmax update of R query rows against one key block whose first `visible[i]` keys row i
+// may see. R rows share every K/V load (register blocking), which is what makes this fast.
+template <int DIM, int R>
+inline void attend_rows(const float* __restrict__ qf, float* __restrict__ acc, float* __restrict__ mx,
+                        float* __restrict__ den, const float* __restrict__ kt, const float* __restrict__ vv,
+                        int64_t lp, int64_t k0, const int64_t* visible, int64_t dim_rt) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt;
+  float s[R][kKB];
+  for (int i = 0; i < R; ++i)
+#pragma omp simd
+    for (int64_t j = 0; j < kKB; ++j) s[i][j] = 0.f;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float* __restrict__ kd = kt + d * lp + k0;
+    for (int i = 0; i < R; ++i) {
+      const float qd = qf[i * dim + d];
+#pragma omp simd
+      for (int64_t j = 0; j < kKB; ++j) s[i][j] += qd * kd[j];
+    }
+  }
+  float alpha[R];
+  for (int i = 0; i < R; ++i) {
+    float m = mx[i];
+    for (int64_t j = 0; j < visible[i]; ++j) m = std::max(m, s[i][j]);
+    alpha[i] = exp_any(mx[i] - m);
+    float total = 0.f;
+    const int64_t vis = visible[i];
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < kKB; ++j) {
+      s[i][j] = j < vis ? exp_any(s[i][j] - m) : 0.f;
+      total += s[i][j];
+    }
+    den[i] = den[i] * alpha[i] + total;
+    mx[i] = m;
+    float* __restrict__ ar = acc + i * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) ar[d] *= alpha[i];
+  }
+  int64_t last = 0;
+  for (int i = 0; i < R; ++i) last = std::max(last, visible[i]);
+  if constexpr (DIM > 0) {
+    // Accumulate in d-chunks of 16 held in registers across the whole key block.
+    constexpr int64_t C = 16;
+    for (int64_t d0 = 0; d0 < DIM; d0 += C) {
+      float a[R][C];
+      for (int i = 0; i < R; ++i)
+#pragma omp simd
+        for (int64_t d = 0; d < C; ++d) a[i][d] = acc[i * DIM + d0 + d];
+      for (int64_t j = 0; j < last; ++j) {
+        const float* __restrict__ vj = vv + (k0 + j) * DIM + d0;
+        for (int i = 0; i < R; ++i) {
+          const float p = s[i][j];
+#pragma omp simd
+          for (int64_t d = 0; d < C; ++d) a[i][d] += p * vj[d];
+        }
+      }
+      for (int i = 0; i < R; ++i)
+#pragma omp simd
+        for (int64_t d = 0; d < C; ++d) acc[i * DIM + d0 + d] = a[i][d];
+    }
+  } else {
+    for (int64_t j = 0; j < last; ++j) {
+      const float* __restrict__ vj = vv + (k0 + j) * dim;
+      for (int i = 0; i < R; ++i) {
+        const float p = s[i][j];
+        float* __restrict__ ar = acc + i * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ar[d] += p * vj[d];
+      }
+    }
+  }
+}
+
+template <typename E, int DIM>
+void extend_block(const typename E::T* q, int64_t q_stride_t, int64_t q_stride_h, const float* __restrict__ kt,
+                  const float* __restrict__ vv, int64_t lp, int64_t prefix, int64_t first, int64_t ntok,
+                  int64_t group, int64_t dim_rt, float scale, typename E::T* out, int64_t out_stride_t,
+                  std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& mx, std::vector<float>& den) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt;
+  const int64_t rows = ntok * group;  // row r = token r / group, head r % group
+  qf.resize(rows * dim);
+  acc.assign(rows * dim, 0.f);
+  mx.assign(rows, -std::numeric_limits<float>::infinity());
+  den.assign(rows, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const typename E::T* qr = q + (first + r / group) * q_stride_t + (r % group) * q_stride_h;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = E::load(qr[d]) * scale;
+  }
+  const int64_t kv_end = prefix + ntok;  // keys visible to the block's last token
+  constexpr int R = 8;
+  int64_t visible[R];
+  for (int64_t k0 = 0; k0 < kv_end; k0 += kKB) {
+    int64_t r = 0;
+    for (; r + R <= rows; r += R) {
+      bool any = false;
+      for (int i = 0; i < R; ++i) {
+        visible[i] = std::max<int64_t>(0, std::min<int64_t>(kKB, prefix + (r + i) / group - k0 + 1));
+        any |= visible[i] > 0;
+      }
+      if (any)
+        attend_rows<DIM, R>(qf.data() + r * dim, acc.data() + r * dim, mx.data() + r, den.data() + r, kt, vv, lp,
+                            k0, visible, dim);
+    }
+    for (; r < rows; ++r) {
+      visible[0] = std::max<int64_t>(0, std::min<int64_t>(kKB, prefix + r / group - k0 + 1));
+      if (visible[0] > 0)
+        attend_rows<DIM, 1>(qf.data() + r * dim, acc.data() + r * dim, mx.data() + r, den.data() + r, kt, vv, lp,
+                            k0, visible, dim);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    typename E::T* o = out + (first + r / group) * out_stride_t + (r % group) * dim;
+    const float inv = 1.f / den[r];
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) o[d] = E::store(acc[r * dim + d] * inv);
+  }
+}
+
+template <typename E>
+void extend_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q_stride_h, const typename E::T* k_buf,
+                           const typename E::T* v_buf, const int64_t* kv_indices, int64_t width,
+                           const int64_t* seq_lens, const int64_t* cu, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t dim, float scale, typename E::T* out) {
+  const int64_t group = heads / kv_heads;
+  KVScratch sc;
+  convert_kv<E>(k_buf, v_buf, kv_indices, width, seq_lens, batch, kv_heads, dim, sc);
+  std::vector<std::array<int64_t, 3>> items;  // (b, kh, first token of block)
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t kh = 0; kh < kv_heads; ++kh)
+      for (int64_t t = cu[b]; t < cu[b + 1]; t += kQB) items.push_back({b, kh, t});
+  // at::parallel_for splits the range into one contiguous chunk per thread, and later blocks see
+  // more keys: sort by cost, then deal alternately into the two halves so the chunks balance.
+  auto cost = [&](const std::array<int64_t, 3>& it) { return seq_lens[it[0]] - (cu[it[0] + 1] - it[2]); };
+  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return cost(a) > cost(b); });
+  std::vector<std::array<int64_t, 3>> dealt;
+  dealt.reserve(items.size());
+  for (size_t i = 0; i < items.size(); i += 2) dealt.push_back(items[i]);
+  for (size_t i = 1; i < items.size(); i += 2) dealt.push_back(items[i]);
+  items.swap(dealt);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, mx, den;
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [b, kh, t] = items[i];
+      const int64_t ntok = std::min<int64_t>(kQB, cu[b + 1] - t);
+      const int64_t prefix = seq_lens[b] - (cu[b + 1] - cu[b]) + (t - cu[b]);  // position of token t
+      const int64_t it = b * kv_heads + kh;
+      const auto* qb = q + kh * group * q_stride_h;
+      auto* ob = out + kh * group * dim;
+      const float* kt = sc.kt.data() + sc.base[it];
+      const float* vv = sc.v.data() + sc.base[it];
+      if (dim == 64) {
+        extend_block<E, 64>(qb, q_stride_t, q_stride_h, kt, vv, sc.lpad[it], prefix, t, ntok, group, dim, scale, ob,
+                            heads * dim, qf, acc, mx, den);
+      } else if (dim == 128) {
+        extend_block<E, 128>(qb, q_stride_t, q_stride_h, kt, vv, sc.lpad[it], prefix, t, ntok, group, dim, scale, ob,
+                             heads * dim, qf, acc, mx, den);
+      } else {
+        extend_block<E, 0>(qb, q_stride_t, q_stride_h, kt, vv, sc.lpad[it], prefix, t, ntok, group, dim, scale, ob,
+                           heads * dim, qf, acc, mx, den);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
+                               const torch::Tensor& kv_indices, const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.dim() == 3, "K/V buffers must be contiguous");
+  TORCH_CHECK(k_buf.scalar_type() == q.scalar_type() && v_buf.scalar_type() == q.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.is_contiguous(), "kv_indices must be int64");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens must be int64");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_buf.size(1);
+  TORCH_CHECK(k_buf.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
+  auto out = torch::empty({batch, heads, dim}, q.options());
+  dispatch(q.scalar_type(), [&](auto e) {
+    using E = decltype(e);
+    decode_attention_impl<E>(ptr<E>(q), q.stride(0), q.stride(1), ptr<E>(k_buf), ptr<E>(v_buf),
+                             kv_indices.data_ptr<int64_t>(), kv_indices.size(1), seq_lens.data_ptr<int64_t>(),
+                             ptr<E>(out), batch, heads, kv_heads, dim, static_cast<float>(scale));
+  });
+  return out;
+}
+
+
+torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
+                               const torch::Tensor& kv_indices, const torch::Tensor& seq_lens, const torch::Tensor& cu,
+                               double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with contiguous D");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.dim() == 3, "K/V buffers must be contiguous");
+  TORCH_CHECK(k_buf.scalar_type() == q.scalar_type() && v_buf.scalar_type() == q.scalar_type(), "dtype mismatch");
+  for (const auto* t : {&kv_indices, &seq_lens, &cu})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
+  const int64_t batch = seq_lens.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_buf.size(1);
+  TORCH_CHECK(cu.size(0) == batch + 1 && kv_indices.size(0) == batch, "batch sizes do not match");
+  TORCH_CHECK(k_buf.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
+  auto out = torch::empty({q.size(0), heads, dim}, q.options());
+  dispatch(q.scalar_type(), [&](auto e) {
+    using E = decltype(e);
+    extend_attention_impl<E>(ptr<E>(q), q.stride(0), q.stride(1), ptr<E>(k_buf), ptr<E>(v_buf),
+                             kv_indices.data_ptr<int64_t>(), kv_indices.size(1), seq_lens.data_ptr<int64_t>(),
+                             cu.data_ptr<int64_t>(), batch, heads, kv_heads, dim, static_cast<float>(scale),
+                             ptr<E>(out));
+  });
+  return out;
+}
+
+}  // namespace radixserve
