@@ -11,6 +11,11 @@ throughput at batch 16 against Hugging Face `generate` at batch 16.
 
     python load_tests/bench_offline.py                 # the full set (several minutes on 2 cores)
     python load_tests/bench_offline.py --scale 0.25    # a quick look
+    python load_tests/bench_offline.py --overlap both  # overlap mode on vs off, same workloads
+
+With --overlap, only the overlap comparison runs: one engine per mode, loaded side by side, and
+each workload run alternately on each (--repeats times, best and median reported) so that load
+from other processes hits both modes alike.
 """
 
 from __future__ import annotations
@@ -103,6 +108,52 @@ def prefill_rate(engine, tok, n, length) -> float:
     return sum(map(len, prompts)) / (time.perf_counter() - t)
 
 
+def overlap_workloads(tok, scale: float) -> dict[str, tuple[list[list[int]], int]]:
+    """Decode-heavy batches (where per-step host work matters most) and a prefill-heavy mix."""
+    n = lambda k: max(2, int(k * scale))  # noqa: E731
+    return {"decode_b16": (random_workload(tok, n(16), 32, seed=3), 96),
+            "decode_b64": (random_workload(tok, n(64), 32, seed=4), 48),
+            "mixed": (random_workload(tok, n(32), 256, seed=5), 32)}
+
+
+def bench_overlap(args) -> dict[str, Any]:
+    from radixserve.workers import Engine
+
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
+    engines = {m: Engine(args.model_path, max_total_tokens=args.max_total_tokens,
+                         max_running_requests=64, enable_overlap=m) for m in modes}
+    label = {True: "overlap on", False: "overlap off"}
+    res: dict[str, Any] = {"threads": torch.get_num_threads()}
+    first = engines[modes[0]]
+    for name, (prompts, out_len) in overlap_workloads(first.tokenizer, args.scale).items():
+        run_engine(first, prompts[:2], 4)  # warm-up
+        rates: dict[bool, list[float]] = {m: [] for m in modes}
+        hidden: dict[bool, float] = {}
+        for _ in range(args.repeats):
+            for m in modes:
+                r = run_engine(engines[m], prompts, out_len)
+                rates[m].append(r["output_tok_s"])
+                hidden[m] = engines[m].stats()["step_host_hidden_fraction"]
+        row = {label[m]: {"best_output_tok_s": max(v), "median_output_tok_s": sorted(v)[len(v) // 2],
+                          "runs": v, "host_hidden_fraction": hidden[m]} for m, v in rates.items()}
+        res[name] = row
+        cells = "  ".join(f"{label[m]}: best {max(v):7.1f} median {sorted(v)[len(v) // 2]:7.1f} tok/s"
+                          for m, v in rates.items())
+        extra = ""
+        if len(modes) == 2:
+            ratio = max(rates[True]) / max(rates[False])
+            row["on_vs_off_best"] = ratio
+            extra = f"  on/off {ratio:.3f}x"
+        print(f"{name:>11} ({len(prompts)} reqs x {out_len} out): {cells}{extra}", flush=True)
+    for e in engines.values():
+        stats = e.stats()
+        print(f"{label[e.core.overlap]}: decode forward {stats.get('decode_forward_ms_avg')} ms, "
+              f"schedule {stats.get('decode_schedule_ms_avg')} ms, text {stats.get('decode_text_ms_avg')} "
+              f"ms, hidden {stats.get('decode_hidden_ms_avg')} ms per decode step", flush=True)
+        e.shutdown()
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
@@ -118,7 +169,16 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--max-total-tokens", type=int, default=200_000)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--overlap", choices=("on", "off", "both"),
+                    help="only compare the engine with overlap mode on / off / both")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per mode and workload (--overlap)")
     args = ap.parse_args(argv)
+    if args.overlap:
+        res = bench_overlap(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+        return 0
 
     from radixserve.workers import Engine
 

@@ -3,8 +3,10 @@ outputs of the serial loop, on the default model in float32."""
 
 import asyncio
 import json
+import threading
 
 import pytest
+import torch
 
 from radixserve.workers import Engine
 from radixserve.workers.engine.config import EngineConfig
@@ -92,7 +94,12 @@ def test_streamed_stop_never_sends_the_extra_token(engines):
             chunks.append(c)
         return chunks
 
-    results = [asyncio.run(stream(e)) for e in engines]
+    results = []
+    for e in engines:
+        results.append(asyncio.run(stream(e)))
+        # The stopped sequence's KV is still held (released at the next step boundary, after the
+        # forward that included it); a flush right after the answer must still succeed.
+        assert e.flush_cache()
     final = [r[-1] for r in results]
     assert final[0]["text"] == final[1]["text"] == " 5, "
     assert final[0]["output_ids"] == final[1]["output_ids"]
@@ -166,3 +173,25 @@ def test_auto_mode_per_device():
     assert EngineConfig().overlap_for("cuda") is True
     assert EngineConfig(enable_overlap=True).overlap_for("cpu") is True
     assert EngineConfig(enable_overlap=False).overlap_for("cuda") is False
+
+
+@pytest.mark.parametrize("overlap,thread", [(True, "radixserve-forward"), (False, "radixserve-engine")])
+def test_forward_threads_use_the_configured_thread_count(overlap, thread):
+    """torch's thread count is per thread: the thread that runs forwards must adopt num_threads."""
+    before = torch.get_num_threads()
+    e = Engine(dtype="float32", max_total_tokens=1024, num_threads=1, enable_overlap=overlap)
+    seen = []
+    forward = e.core.runner.forward
+
+    def spy(batch):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return forward(batch)
+
+    e.core.runner.forward = spy
+    try:
+        assert e.generate("Hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"][
+            "completion_tokens"] == 2
+        assert seen and all(s == (thread, 1) for s in seen)
+    finally:
+        e.shutdown()
+        torch.set_num_threads(before)

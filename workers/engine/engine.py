@@ -17,7 +17,6 @@ from collections import defaultdict
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Optional
 
-import torch
 
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.engine_core import EngineCore
@@ -197,7 +196,7 @@ class Engine:
 
     # The loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
+        self.core.worker.init_thread()
         while True:
             try:
                 if not self._drain_inbox(self.core.idle_timeout()):

@@ -190,7 +190,11 @@ class EngineCore:
                 r.finish("abort", message="aborted by the client")
 
     def flush_cache(self) -> bool:
-        if self.has_work():
+        """Between steps only; refused while any request is in flight. Sequences whose final chunk
+        went out are released first (that normally waits for the next step boundary, and in overlap
+        mode for the forward that still included them), so a client that got its answer can flush."""
+        self._release_finished()
+        if self.by_rid or self.scheduler.has_work():  # by_rid: a request still owes a chunk
             return False
         return bool(self.cache.reset())
 

@@ -44,8 +44,8 @@ class ForwardJob:
 
 
 class ForwardWorker:
-    """`prepare` runs on the engine thread; `run` (inline) or `launch` + `wait` (threaded) do the
-    forward and the sampling.
+    """`prepare` runs on the engine thread; `run` (inline, on a thread set up by `init_thread`) or
+    `launch` + `wait` (threaded) do the forward and the sampling.
 
     Between `launch` and `wait` the engine thread must not allocate or free KV slots, write the
     request-to-token table, touch the bitmask or the sampler, or change the planned requests'
@@ -55,6 +55,9 @@ class ForwardWorker:
     def __init__(self, runner: ModelRunner, sampler: Sampler, threaded: bool):
         self.runner = runner
         self.sampler = sampler
+        # torch's intra-op thread count is per thread (OpenMP): a thread starts with its creator's
+        # count and misses later changes made elsewhere, so forward threads set it explicitly.
+        self.num_threads = torch.get_num_threads()
         self._jobs: Optional[queue.SimpleQueue] = None
         self._inflight: Optional[tuple[ForwardJob, Future]] = None
         if threaded:
@@ -116,8 +119,13 @@ class ForwardWorker:
         if self._jobs is not None:
             self._jobs.put(None)
 
+    def init_thread(self) -> None:
+        """Set up the calling thread to run forwards (grad mode and thread count are per thread)."""
+        torch.set_grad_enabled(False)
+        torch.set_num_threads(self.num_threads)
+
     def _serve(self) -> None:
-        torch.set_grad_enabled(False)  # grad mode is per thread
+        self.init_thread()
         while True:
             item: Any = self._jobs.get()
             if item is None:
