@@ -9,10 +9,10 @@ from typing import Any, Optional
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 
 # enable_overlap=None picks, per device type, the mode that measured faster (bench_offline.py
-# --overlap both). CPU, 2 cores, SmolLM2-135M: on/off best-of-5 output tok/s 1.03x (decode b8),
-# 1.01x (b32), 0.98x (prefill-heavy mix), all within the run-to-run noise (+-40% on a shared host).
-# Overlap can hide only the text work, ~0.5 ms of a ~130 ms decode step, and costs a thread and
-# one step of streaming latency, so it stays off. CUDA: the forward runs on the GPU while the host
+# --overlap both). CPU, 2 cores, SmolLM2-135M, on/off output tok/s (best of 3, quieter host):
+# 0.96x (decode b8), 1.01x (b32), 1.00x (prefill-heavy mix); a busier run gave 1.03x/1.01x/0.98x.
+# All within run-to-run noise: overlap can hide only the text work, ~0.26 ms of a ~57 ms decode
+# step, and costs a thread and one step of streaming latency, so it stays off. CUDA: the forward runs on the GPU while the host
 # works, so the hidden host time is a real gain.
 OVERLAP_BY_DEVICE = {"cpu": False, "cuda": True}
 
