@@ -18,7 +18,7 @@ SCHEMAS = {
         "required": ["name", "age", "city"], "additionalProperties": False},
     "nested": {"type": "object", "properties": {
         "order": {"type": "object", "properties": {
-            "id": {"type": "integer"},
+            "id": {"type": "integer", "minimum": 1, "maximum": 99999},
             "items": {"type": "array", "minItems": 1, "maxItems": 3,
                       "items": {"type": "object", "properties": {
                           "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
