@@ -8,15 +8,13 @@ The tests run in order on the same app: affinity, spreading, then a replica is k
 from __future__ import annotations
 
 import random
-import socket
 import time
 
 import httpx
 import pytest
 import ray
-from ray import serve
 
-from radixserve.cluster.app import build_app
+from tests.serve_utils import running_app
 
 KV_TOTAL = 2048
 SYNC_S = 1.0
@@ -25,25 +23,12 @@ WORDS = ("river garden music window table paper market light voice field song pl
          "bridge engine signal winter summer forest island mountain letter picture").split()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def http():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"dp": 2, "ingress_replicas": 2, "replica_num_cpus": 0.5,
-                         "max_total_tokens": KV_TOTAL, "num_threads": 1,
-                         "router_sync_interval_s": SYNC_S}),
-              name="radixserve", route_prefix="/")
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+    args = {"dp": 2, "ingress_replicas": 2, "replica_num_cpus": 0.5, "max_total_tokens": KV_TOTAL,
+            "num_threads": 1, "router_sync_interval_s": SYNC_S}
+    with running_app(args) as base, httpx.Client(base_url=base, timeout=120) as client:
         yield client
-    serve.shutdown()
-    ray.shutdown()
 
 
 def system_prompt(group: int, n_words: int = 250) -> str:

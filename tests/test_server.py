@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 import uuid
 
@@ -14,32 +13,19 @@ import httpx
 import openai
 import pytest
 import ray
-from ray import serve
 
-from radixserve.cluster.app import build_app
+from tests.serve_utils import running_app
 
 KEY = "sk-test-key"
 MAX_BODY = 256 * 1024
 KV_TOTAL = 4096
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"max_total_tokens": KV_TOTAL, "num_threads": 2, "api_key": KEY,
-                         "max_request_bytes": MAX_BODY, "max_running_requests": 64}),
-              name="radixserve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with running_app({"max_total_tokens": KV_TOTAL, "num_threads": 2, "api_key": KEY,
+                      "max_request_bytes": MAX_BODY, "max_running_requests": 64}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,11 @@ import psutil
 import pytest
 import yaml
 
+from tests.serve_utils import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "load_tests"))
 import bench_serving  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:

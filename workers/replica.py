@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 from ray import serve
 
 from radixserve.workers.protocol import (GenerateRequest, InvalidRequest, ModelCard, OutputChunk,
-                                         QueueFull, ReplicaStats, encode_error)
+                                         QueueFull, encode_error)
 
 logger = logging.getLogger(__name__)
 

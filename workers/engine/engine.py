@@ -12,7 +12,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections import defaultdict
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Optional
@@ -20,7 +19,6 @@ from typing import Any, AsyncIterator, Optional
 
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.engine_core import EngineCore
-from radixserve.workers.engine.request import Req
 from radixserve.workers.protocol import (GenerateRequest, InvalidRequest, OutputChunk, QueueFull,
                                          ReplicaStats, SamplingParams)
 

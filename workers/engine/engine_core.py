@@ -31,7 +31,7 @@ from radixserve.workers.engine.sampler import Sampler
 from radixserve.workers.engine.scheduler import BatchKind, Scheduler
 from radixserve.workers.engine.step_stats import StepStats
 from radixserve.workers.models.loader import load_model
-from radixserve.workers.protocol import GenerateRequest, InvalidRequest, OutputChunk
+from radixserve.workers.protocol import GenerateRequest, InvalidRequest
 
 logger = logging.getLogger("radixserve.engine")
 
