@@ -156,7 +156,8 @@ def pending(method: str, *args, **kwargs) -> PendingRequest:
     return PendingRequest(list(args), kwargs, RequestMetadata("id", "internal", call_method=method))
 
 
-def test_prompt_ids_only_from_generate_calls():
+async def test_prompt_ids_only_from_generate_calls():
+    # Serve's PendingRequest makes an asyncio.Future: it lives on a running loop, as in Serve.
     assert prompt_ids(pending("generate", {"input_ids": [1, 2], "rid": "x"})) == [1, 2]
     assert prompt_ids(pending("generate", request={"input_ids": [3]})) == [3]
     assert prompt_ids(pending("model_card")) is None
