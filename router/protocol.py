@@ -87,6 +87,7 @@ class _SamplingFields(_Schema):
     skip_special_tokens: bool = True
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    json_schema: Optional[str] = None
     rid: Optional[str] = None
 
 
@@ -106,7 +107,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
-    json_schema: Optional[str] = None
 
 
 class GenerateHTTPRequest(_Schema):
@@ -147,7 +147,7 @@ def _common(req: _SamplingFields) -> dict[str, Any]:
     d: dict[str, Any] = {"n": req.n, "stop": _stop_list(req.stop), "ignore_eos": req.ignore_eos,
                          "min_new_tokens": req.min_tokens, "seed": req.seed,
                          "skip_special_tokens": req.skip_special_tokens,
-                         "regex": req.regex, "ebnf": req.ebnf}
+                         "regex": req.regex, "ebnf": req.ebnf, "json_schema": req.json_schema}
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                  "min_p", "repetition_penalty", "stop_token_ids"):
         if getattr(req, name) is not None:
@@ -189,6 +189,9 @@ def chat_sampling_params(req: ChatCompletionRequest, prompt_len: int, vocab_size
     d["logprobs"] = req.logprobs
     d["top_logprobs"] = req.top_logprobs or 0
     fmt = req.response_format
+    if fmt is not None and fmt.type != "text" and req.json_schema is not None:
+        raise InvalidRequest("give either 'response_format' or 'json_schema', not both",
+                             "json_schema")
     if fmt is not None and fmt.type == "json_object":
         d["json_schema"] = json.dumps({"type": "object"})
     elif fmt is not None and fmt.type == "json_schema":
@@ -213,7 +216,6 @@ def completion_sampling_params(req: CompletionRequest, prompt_len: int, vocab_si
     d["max_new_tokens"] = max_new_tokens(req.max_tokens, prompt_len, context_length, "max_tokens")
     d["logprobs"] = req.logprobs is not None
     d["top_logprobs"] = req.logprobs or 0
-    d["json_schema"] = req.json_schema
     return _build(d, vocab_size)
 
 

@@ -350,3 +350,58 @@ def test_replica_failure_mid_stream_is_an_in_band_error(http):
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["type"] == "server_error" and err["code"] == "internal_error" and err["message"]
+
+
+# Structured output over HTTP ------------------------------------------------------------------
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_chat_response_format_json_schema_and_json_object(client, model, http):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=model, messages=user("Describe a person."),
+                                       max_tokens=80, temperature=0, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    stream = client.chat.completions.create(
+        model=model, messages=user("Give a JSON object with a name and a city."), max_tokens=200,
+        temperature=0, stream=True, response_format={"type": "json_object"})
+    chunks = [c for c in stream if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), dict)
+    wait_idle(http)
+
+
+def test_regex_ebnf_and_json_schema_extensions(client, model, http):
+    r = client.completions.create(model=model, prompt="Answer yes or no:", max_tokens=8,
+                                  extra_body={"regex": "(yes|no)"})
+    assert r.choices[0].text in ("yes", "no")
+    r = client.chat.completions.create(model=model, messages=user("A phone number"), max_tokens=20,
+                                       extra_body={"regex": r"[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].message.content)
+    r = client.chat.completions.create(model=model, messages=user("A person"), max_tokens=80,
+                                       extra_body={"json_schema": json.dumps(PERSON)})
+    assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
+    g = http.post("/generate", json={"text": "A sum:", "sampling_params": {
+        "max_new_tokens": 20, "temperature": 0, "ebnf": 'root ::= [1-9] "+" [1-9]'}}).json()
+    assert re.fullmatch(r"[1-9]\+[1-9]", g["text"])
+    wait_idle(http)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}},
+     "json_schema"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"ebnf": "root ::= "}, "ebnf"),
+])
+def test_bad_grammars_are_400_and_serving_goes_on(http, model, extra, param):
+    body = {"model": model, "messages": user("hi"), "max_tokens": 5, **extra}
+    err = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert param in (err["param"] or "") and err["message"]
+    ok = http.post("/v1/chat/completions", json={"model": model, "messages": user("hi"), "max_tokens": 3})
+    assert ok.status_code == 200
+    wait_idle(http)

@@ -125,7 +125,13 @@ def test_serve_run_yaml_with_two_replicas_and_sigint(tmp_path):
     proc = start([serve_bin, "run", str(path)], url, tmp_path / "serve.log")
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
-            replicas = c.get("/get_server_info").json()["replicas"]
+            # Serving starts when the first replica is up; the second may still be loading.
+            deadline = time.monotonic() + 120
+            while True:
+                replicas = c.get("/get_server_info").json()["replicas"]
+                if len(replicas) == 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
             assert len(replicas) == 2 and len({r["replica_id"] for r in replicas}) == 2
             r = c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
