@@ -148,24 +148,27 @@ def completion_response(rid: str, model: str, seqs: Sequences, tok: Tokenizer,
             "choices": choices, "usage": seqs.usage().to_dict()}
 
 
+def _chunk(obj: str, rid: str, created: int, model: str, choice: dict[str, Any],
+           finish_reason: Optional[str], matched_stop: Any) -> dict[str, Any]:
+    choice["finish_reason"] = finish_reason
+    if finish_reason is not None:
+        choice["matched_stop"] = matched_stop
+    return {"id": rid, "object": obj, "created": created, "model": model,
+            "choices": [choice], "usage": None}
+
+
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any],
                finish_reason: Optional[str] = None, logprobs: Optional[dict] = None,
                matched_stop: Any = None) -> dict[str, Any]:
-    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    if finish_reason is not None:
-        choice["matched_stop"] = matched_stop
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice], "usage": None}
+    return _chunk("chat.completion.chunk", rid, created, model,
+                  {"index": index, "delta": delta, "logprobs": logprobs}, finish_reason, matched_stop)
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                      finish_reason: Optional[str] = None, logprobs: Optional[dict] = None,
                      matched_stop: Any = None) -> dict[str, Any]:
-    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    if finish_reason is not None:
-        choice["matched_stop"] = matched_stop
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": None}
+    return _chunk("text_completion", rid, created, model,
+                  {"index": index, "text": text, "logprobs": logprobs}, finish_reason, matched_stop)
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, usage: Usage) -> dict[str, Any]:
