@@ -119,6 +119,43 @@ def extend_attention_native(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
                                          cu_extend.contiguous(), 1.0 / math.sqrt(q.shape[-1]))
 
 
+GEMM_STRIP = 16  # output columns per packed strip (csrc/gemm.h)
+
+
+def gemm_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether linear layers of this dtype/device can run packed (bf16, AVX512-BF16 CPU)."""
+    ops = native_ops()
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and ops is not None
+            and ops.gemm_available())
+
+
+def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [ceil(N/16), K/2, 16, 2]: 16-column strips of k pairs (csrc/gemm.h's layout)."""
+    n, k = w.shape
+    if k % 2:
+        raise ValueError(f"packed weights need an even in_features, got {k}")
+    strips = -(-n // GEMM_STRIP)
+    padded = w.new_zeros(strips * GEMM_STRIP, k)
+    padded[:n] = w
+    return padded.view(strips, GEMM_STRIP, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_linear_weight(wp: torch.Tensor, n: int) -> torch.Tensor:
+    strips, pairs = wp.shape[:2]
+    return wp.permute(0, 2, 1, 3).reshape(strips * GEMM_STRIP, pairs * 2)[:n]
+
+
+def packed_linear(x: torch.Tensor, wp: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) with W packed by pack_linear_weight; bias float32 [N] or None."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if _usable(x2, wp) and x2.dtype == wp.dtype == torch.bfloat16 and x2.stride(-1) == 1 \
+            and native_ops().gemm_available():
+        y = native_ops().packed_linear(x2, wp, n, bias)
+    else:
+        y = F.linear(x2.float(), unpack_linear_weight(wp, n).float(), bias).to(x.dtype)
+    return y.view(*x.shape[:-1], n)
+
+
 # The torch versions: fallbacks where the extension is unavailable, and the references its tests
 # compare against.
 

@@ -130,3 +130,49 @@ def test_kernels_release_the_gil():
         stop[0] = True
         thread.join()
     assert max(during) > 1000
+
+
+needs_gemm = pytest.mark.skipif(not cpu_ops.gemm_available(torch.bfloat16), reason="no AVX512-BF16 packed GEMM here")
+
+
+def test_pack_linear_weight_round_trips_and_pads_to_whole_strips():
+    w = torch.arange(37 * 6, dtype=torch.float32).view(37, 6).to(torch.bfloat16)
+    wp = cpu_ops.pack_linear_weight(w)
+    assert wp.shape == (3, 3, 16, 2)
+    assert torch.equal(wp[0, 1, 2], w[2, 2:4])  # strip 0, k pair 1, column 2
+    assert torch.equal(wp[2, 0, 4], w[36, 0:2])
+    assert not wp[2, :, 5:].any()  # columns 37..47 are zero padding
+    assert torch.equal(cpu_ops.unpack_linear_weight(wp, 37), w)
+    with pytest.raises(ValueError, match="even"):
+        cpu_ops.pack_linear_weight(torch.zeros(4, 5, dtype=torch.bfloat16))
+
+
+@needs_gemm
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 37), (16, 1536, 576), (17, 96, 48), (300, 128, 50),
+                                   (0, 64, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_float32_math_rounded_once(m, k, n, with_bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), bias).to(torch.bfloat16)
+    wp = cpu_ops.pack_linear_weight(w)
+    out = native.packed_linear(x, wp, n, bias)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    if m:
+        _close(out, ref, torch.bfloat16)  # only the float32 summation order differs
+        # The torch fallback (no extension, or other dtypes) computes the same.
+        _close(cpu_ops.packed_linear(x.float(), wp, n, bias).to(torch.bfloat16), ref, torch.bfloat16)
+
+
+@needs_gemm
+def test_packed_linear_reads_strided_rows_and_rejects_a_wrong_k():
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(4, 200, generator=gen).to(torch.bfloat16)
+    x = wide[:, :64]  # rows 200 elements apart
+    w = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    wp = cpu_ops.pack_linear_weight(w)
+    _close(native.packed_linear(x, wp, 32, None), torch.nn.functional.linear(x, w), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K"):
+        native.packed_linear(torch.zeros(2, 66, dtype=torch.bfloat16), wp, 32, None)

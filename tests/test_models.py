@@ -3,6 +3,8 @@ float32 (one sequence, a batch of ragged sequences, and chunked prefill over a c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -151,3 +153,31 @@ def test_llama3_rope_scaling_bands():
     torch.testing.assert_close(ours[short], plain[short], atol=0, rtol=0)
     torch.testing.assert_close(ours[long], plain[long] / 8.0)
     assert ((ours[middle] < plain[middle]) & (ours[middle] > plain[middle] / 8.0)).all()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama3_rope_tied"])  # q/k/v biases; a tied LM head
+def test_packed_bf16_projections_match_the_unpacked_model(tmp_path, name):
+    """bf16 models run their projections through the packed GEMM where the CPU has it; only the
+    float32 summation order differs from torch's matmul, so the logits stay within bf16 noise."""
+    from radixserve.kernels import cpu_ops
+    from radixserve.workers.models.layers import Linear
+    from radixserve.workers.models.loader import build_model, iter_checkpoint
+
+    arch, overrides = TINY[name]
+    path = make_tiny_checkpoint(tmp_path, arch, **overrides)
+    packed = load_model(path, dtype="bfloat16")
+    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    assert all(m.packed for m in linears) == cpu_ops.gemm_available(torch.bfloat16)
+    if not cpu_ops.gemm_available(torch.bfloat16):
+        pytest.skip("no AVX512-BF16 packed GEMM on this CPU")
+    plain = build_model(packed.config)
+    plain.load_weights(iter_checkpoint(Path(packed.model_path)))
+    assert not any(m.packed for m in plain.modules() if isinstance(m, Linear))
+    prompts = [list(range(100, 131)), list(range(300, 307))]
+    a = ModelDriver(packed.model, packed.config).greedy(prompts, 8)
+    b = ModelDriver(plain, packed.config).greedy(prompts, 8)
+    assert a == b
+    for p in prompts:
+        la = ModelDriver(packed.model, packed.config).logits_of(p)
+        lb = ModelDriver(plain, packed.config).logits_of(p)
+        torch.testing.assert_close(la, lb, atol=0.05 * float(lb.abs().max()), rtol=0)

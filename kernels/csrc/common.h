@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <limits>

@@ -5,6 +5,7 @@
 
 #include "attention.h"
 #include "elementwise.h"
+#include "gemm.h"
 
 using namespace radixserve;
 
@@ -17,5 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "neox rotary in place on [T, heads, D]", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [T, 2I]", release());
   m.def("extend_attention", &extend_attention, "causal prefill attention over paged K/V, whole batch", release());
+  m.def("gemm_available", &gemm_available, "whether packed_linear was built (AVX512-BF16)");
+  m.def("packed_linear", &packed_linear, "bf16 x @ W^T (+ bias) with W packed by pack_linear_weight", release());
   m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over paged K/V", release());
 }

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from typing import Any, AsyncIterator, Optional
 
 
+from radixserve.kernels.cpu_runtime import on_short_lived_thread
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.engine_core import EngineCore
 from radixserve.workers.protocol import (GenerateRequest, InvalidRequest, OutputChunk, QueueFull,
@@ -60,7 +61,7 @@ class Engine:
 
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model_path, **kwargs)
-        self.core = EngineCore(self.config)
+        self.core = on_short_lived_thread(EngineCore, self.config)
         self.tokenizer = self.core.tokenizer
         self.model_config = self.core.model_config
         self.served_model_name = self.core.served_model_name
@@ -194,7 +195,7 @@ class Engine:
 
     # The loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
-        self.core.worker.init_thread()
+        self.core.worker.init_engine_thread()
         while True:
             try:
                 if not self._drain_inbox(self.core.idle_timeout()):

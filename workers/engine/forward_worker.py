@@ -124,6 +124,14 @@ class ForwardWorker:
         torch.set_grad_enabled(False)
         torch.set_num_threads(self.num_threads)
 
+    def init_engine_thread(self) -> None:
+        """Set up the engine thread: it runs the forwards inline, or in threaded mode only small
+        host-side ops, kept serial so that the forward thread owns the process's one OpenMP team
+        (see cpu_runtime.on_short_lived_thread)."""
+        self.init_thread()
+        if self._jobs is not None:
+            torch.set_num_threads(1)
+
     def _serve(self) -> None:
         self.init_thread()
         while True:

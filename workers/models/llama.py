@@ -17,7 +17,8 @@ from torch import nn
 from radixserve.kernels.attention import AttentionBackend
 from radixserve.workers.engine.forward_batch import ForwardBatch
 from radixserve.workers.models.config import ModelConfig
-from radixserve.workers.models.layers import FusedLinear, RMSNorm, RotaryEmbedding, linear, silu_and_mul
+from radixserve.kernels import cpu_ops
+from radixserve.workers.models.layers import FusedLinear, Linear, RMSNorm, RotaryEmbedding, linear, silu_and_mul
 
 # checkpoint leaf module -> (our fused module, shard index)
 _FUSED = {
@@ -111,9 +112,21 @@ class LlamaForCausalLM(nn.Module):
         # Explicit device: the table is computed now, even when the module is built on meta.
         self.rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope, config.dtype, rotary_device)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def pack_weights(self) -> bool:
+        """Re-lay every projection for the packed CPU GEMM where it runs (after load_weights).
+
+        A tied LM head gets its own packed copy of the embedding (the lookup needs the plain one).
+        """
+        weight = self.model.embed_tokens.weight
+        if not cpu_ops.gemm_available(weight.dtype, weight.device):
+            return False
+        if self.lm_head is None:
+            self.lm_head = linear(self.config.hidden_size, self.config.vocab_size, False, weight.dtype, weight.device)
+            self.lm_head.weight.data.copy_(weight)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_()
+        return True
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool) -> torch.Tensor:
@@ -130,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
         # of a small model): RMSNorm is per row, so this is exact.
         rows = batch.logits_indices
         h = self.model.norm.add_forward(residual[rows], delta[rows])
-        return F.linear(h, self.lm_head_weight).float()
+        logits = F.linear(h, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; raise if any parameter is left unset."""

@@ -177,4 +177,5 @@ def load_model(
         config = dataclasses.replace(config, eos_token_ids=(int(tokenizer.eos_token_id),))
     model = build_model(config, attention_backend)
     model.load_weights(iter_checkpoint(model_dir))
+    model.pack_weights()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)

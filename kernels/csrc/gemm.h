@@ -1,0 +1,150 @@
+#pragma once
+
+// bf16 GEMM for the model's linear layers on AVX512-BF16 CPUs:
+//   y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 accumulation, one bf16 rounding at the end.
+//
+// Why not torch's (oneDNN's) matmul: at decode sizes (M = 1..64 rows) it reaches only a third of
+// the machine's bf16 peak on these shapes, and the weights, read once per step, are most of a
+// small model's step. Here W is packed once at load time into 16-column strips whose k pairs are
+// exactly the operand layout of `vdpbf16ps`, and each strip is read once per 16 rows of x while
+// up to 16 rows accumulate in registers. Packed layout, [ceil(N/16), K/2, 16, 2]:
+//   wp[b][p][j][0..1] = W[16b + j][2p], W[16b + j][2p + 1]   (zero rows pad N to a multiple of 16)
+
+#include "common.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace radixserve {
+
+inline bool gemm_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+namespace {
+
+constexpr int64_t kStrip = 16;     // output columns per packed strip (one zmm of float32)
+constexpr int64_t kRowTile = 16;   // rows of x accumulated in registers per pass over a strip
+constexpr int64_t kRowChunk = 128; // rows per parallel pass (keeps that slice of x cache-resident)
+constexpr int64_t kPrefetchPairs = 64;
+
+// One strip for `MT` rows. Fewer rows leave the FMA pipeline idle on one accumulator's latency,
+// so small tiles split K into KC independent chains and add them at the end.
+template <int MT, int KC>
+inline void strip_tile(const int32_t* xq, const uint16_t* wp, int64_t pairs, const float* bias,
+                       uint16_t* y, int64_t ldy, int64_t cols) {
+  __m512 acc[MT][KC];
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 8
+    for (int c = 0; c < KC; ++c) acc[m][c] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + KC <= pairs; p += KC) {
+#pragma GCC unroll 8
+    for (int c = 0; c < KC; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (p + c + kPrefetchPairs) * 2 * kStrip), _MM_HINT_T0);
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(wp + (p + c) * 2 * kStrip);
+#pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m)
+        acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)_mm512_set1_epi32(xq[(p + c) * kRowTile + m]), w);
+    }
+  }
+  for (; p < pairs; ++p) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(wp + p * 2 * kStrip);
+#pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m)
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_set1_epi32(xq[p * kRowTile + m]), w);
+  }
+
+  const __mmask16 mask = cols >= kStrip ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    __m512 sum = acc[m][0];
+#pragma GCC unroll 8
+    for (int c = 1; c < KC; ++c) sum = _mm512_add_ps(sum, acc[m][c]);
+    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(sum, b));
+    _mm256_mask_storeu_epi16(y + m * ldy, mask, (__m256i)out);
+  }
+}
+
+template <int MT>
+inline void strip_rows(const int32_t* xq, const uint16_t* wp, int64_t pairs, const float* bias,
+                       uint16_t* y, int64_t ldy, int64_t cols) {
+  constexpr int KC = MT >= 8 ? 1 : MT >= 4 ? 2 : MT >= 2 ? 4 : 8;
+  strip_tile<MT, KC>(xq, wp, pairs, bias, y, ldy, cols);
+}
+
+using StripFn = void (*)(const int32_t*, const uint16_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
+
+// Rows [r0, r0 + rows) of x as k pairs interleaved by row, [ceil(rows/16)][K/2][16] int32: the
+// broadcasts of one k pair for a row tile then come from one cache line.
+inline void interleave_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t pairs, int32_t* out) {
+  for (int64_t t = 0; t * kRowTile < rows; ++t) {
+    int32_t* o = out + t * pairs * kRowTile;
+    const int64_t mt = std::min(kRowTile, rows - t * kRowTile);
+    for (int64_t m = 0; m < mt; ++m) {
+      const auto* row = reinterpret_cast<const int32_t*>(x + (t * kRowTile + m) * ldx);
+      for (int64_t p = 0; p < pairs; ++p) o[p * kRowTile + m] = row[p];
+    }
+  }
+}
+
+template <int... MTs>
+constexpr std::array<StripFn, sizeof...(MTs)> strip_table(std::integer_sequence<int, MTs...>) {
+  return {&strip_rows<MTs + 1>...};
+}
+
+const auto kStripFns = strip_table(std::make_integer_sequence<int, kRowTile>{});
+
+}  // namespace
+#endif
+
+// x [M, K] bf16 (rows contiguous), wp packed as above, n = N, bias [N] float32 or undefined.
+inline torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t n,
+                                   const c10::optional<torch::Tensor>& bias) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16 rows");
+  TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.scalar_type() == at::kBFloat16 && wp.size(2) == kStrip &&
+                  wp.size(3) == 2, "wp must be a packed [N/16, K/2, 16, 2] bf16 weight");
+  const int64_t m = x.size(0), k = x.size(1), pairs = wp.size(1), strips = wp.size(0);
+  TORCH_CHECK(k == 2 * pairs, "x has K = ", k, ", the packed weight ", 2 * pairs);
+  TORCH_CHECK(n > (strips - 1) * kStrip && n <= strips * kStrip, "n does not match the packed weight");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, "bias must be [N] float32");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({m, n}, x.options());
+  const auto* xd = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wd = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+  auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t ldx = x.stride(0);
+  std::vector<int32_t> xq(static_cast<size_t>((std::min(kRowChunk, m) + kRowTile - 1) / kRowTile * kRowTile * pairs));
+  for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+    const int64_t rows = std::min(kRowChunk, m - m0);
+    interleave_rows(xd + m0 * ldx, ldx, rows, pairs, xq.data());
+    at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t col = s * kStrip, cols = std::min(kStrip, n - col);
+        for (int64_t r = 0; r < rows; r += kRowTile) {
+          const int64_t mt = std::min(kRowTile, rows - r);
+          kStripFns[mt - 1](xq.data() + r * pairs, wd + s * pairs * 2 * kStrip, pairs,
+                            b != nullptr ? b + col : nullptr, yd + (m0 + r) * n + col, n, cols);
+        }
+      }
+    });
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "packed_linear needs a CPU with AVX512-BF16 (and a build with -march for it)");
+#endif
+}
+
+}  // namespace radixserve
