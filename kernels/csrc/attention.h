@@ -8,6 +8,7 @@
 #include <array>
 
 #include "common.h"
+#include "decode_avx512.h"
 
 namespace radixserve {
 namespace {
@@ -73,6 +74,21 @@ void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
                            int64_t kv_heads, int64_t dim, float scale) {
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * dim;  // elements per slot in the K/V buffers
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<E, BF16>) {
+    if (const DecodeItemFn item_fn = decode_item_avx512_for(dim, group)) {
+      at::parallel_for(0, batch * kv_heads, 1, [=](int64_t begin, int64_t end) {
+        std::vector<float> scores;
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t b = item / kv_heads, kh = item % kv_heads;
+          item_fn(q + b * q_stride_t + kh * group * q_stride_h, q_stride_h, k_buf + kh * dim, v_buf + kh * dim,
+                  kv_indices + b * width, seq_lens[b], row, scale, out + (b * heads + kh * group) * dim, scores);
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, batch * kv_heads, 1, [=](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores;
     for (int64_t item = begin; item < end; ++item) {

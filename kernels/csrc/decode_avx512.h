@@ -1,0 +1,132 @@
+#pragma once
+
+// Decode attention for bf16 K/V on AVX512-BF16 CPUs: one (sequence, kv head) item, the same math
+// as decode_item in attention.h (float32 scores, softmax and accumulation), vectorized by hand.
+// The generic loop spends most of its time on one horizontal sum per (key, head); here a key's
+// q.k products come from `vdpbf16ps` on the raw bf16 rows and four keys are summed together, and
+// the P.V accumulators of all G heads of the group stay in registers.
+
+#include "common.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace radixserve {
+namespace {
+
+// [sum(a), sum(b), sum(c), sum(d)]
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d.
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // Per lane: [a, b, c, d] partial sums.
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <int D>
+inline __m512 qk_partial(const uint16_t* k, const __m512bh* qv) {
+  __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int c = 0; c < D / 32; ++c)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + 32 * c), qv[c]);
+  return acc;
+}
+
+// Scores of one query head against every key: sg[l] = scale * q . k_l.
+template <int D>
+void qk_scores(const uint16_t* q, const uint16_t* k_buf, const int64_t* slots, int64_t len, int64_t row,
+               float scale, float* sg) {
+  __m512bh qv[D / 32];
+#pragma GCC unroll 4
+  for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  const __m128 s4 = _mm_set1_ps(scale);
+  int64_t l = 0;
+  for (; l + 4 <= len; l += 4) {
+    const __m128 s = sum4(qk_partial<D>(k_buf + slots[l] * row, qv), qk_partial<D>(k_buf + slots[l + 1] * row, qv),
+                          qk_partial<D>(k_buf + slots[l + 2] * row, qv), qk_partial<D>(k_buf + slots[l + 3] * row, qv));
+    _mm_storeu_ps(sg + l, _mm_mul_ps(s, s4));
+  }
+  for (; l < len; ++l) sg[l] = _mm512_reduce_add_ps(qk_partial<D>(k_buf + slots[l] * row, qv)) * scale;
+}
+
+// One (sequence, kv head) item for G query heads of head size D. q rows q + g * q_stride_h,
+// output rows out + g * D.
+template <int D, int G>
+void decode_item_avx512(const uint16_t* q, int64_t q_stride_h, const uint16_t* k_buf, const uint16_t* v_buf,
+                        const int64_t* slots, int64_t len, int64_t row, float scale, uint16_t* out,
+                        std::vector<float>& scores) {
+  constexpr int NV = D / 16;  // float32 vectors per head row
+  scores.resize(G * len);
+  float* sc = scores.data();
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = sc + g * len;
+    qk_scores<D>(q + g * q_stride_h, k_buf, slots, len, row, scale, sg);
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t l = 0; l < len; ++l) m = std::max(m, sg[l]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t l = 0; l < len; ++l) {
+      sg[l] = exp_any(sg[l] - m);
+      total += sg[l];
+    }
+    inv_sum[g] = 1.f / total;
+  }
+  __m512 acc[G][NV];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < len; ++l) {
+    const uint16_t* vr = v_buf + slots[l] * row;
+    __m512 v[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) v[c] = load_bf16x16(vr + 16 * c);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g * len + l]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + 16 * c), (__m256i)r);
+    }
+  }
+}
+
+using DecodeItemFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, const int64_t*, int64_t,
+                              int64_t, float, uint16_t*, std::vector<float>&);
+
+// The specialized item for (head size, group size), or nullptr where there is none.
+inline DecodeItemFn decode_item_avx512_for(int64_t dim, int64_t group) {
+  static constexpr DecodeItemFn d64[] = {nullptr, &decode_item_avx512<64, 1>, &decode_item_avx512<64, 2>,
+                                         &decode_item_avx512<64, 3>, &decode_item_avx512<64, 4>,
+                                         &decode_item_avx512<64, 5>, &decode_item_avx512<64, 6>,
+                                         &decode_item_avx512<64, 7>, &decode_item_avx512<64, 8>};
+  static constexpr DecodeItemFn d128[] = {nullptr, &decode_item_avx512<128, 1>, &decode_item_avx512<128, 2>,
+                                          &decode_item_avx512<128, 3>, &decode_item_avx512<128, 4>,
+                                          &decode_item_avx512<128, 5>, &decode_item_avx512<128, 6>,
+                                          &decode_item_avx512<128, 7>, &decode_item_avx512<128, 8>};
+  if (group < 1 || group > 8) return nullptr;
+  if (dim == 64) return d64[group];
+  if (dim == 128) return d128[group];
+  return nullptr;
+}
+
+}  // namespace
+}  // namespace radixserve
+#endif
