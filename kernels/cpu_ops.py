@@ -63,10 +63,13 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
-    return (
-        all(t.device.type == "cpu" and t.dtype in _NATIVE_DTYPES for t in tensors)
-        and native_ops() is not None
-    )
+    # On every op of the hot path: a plain loop, no generator.
+    if native_ops() is None:
+        return False
+    for t in tensors:
+        if t.dtype not in _NATIVE_DTYPES or t.device.type != "cpu":
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
