@@ -13,9 +13,9 @@ throughput at batch 16 against Hugging Face `generate` at batch 16.
     python load_tests/bench_offline.py --scale 0.25    # a quick look
     python load_tests/bench_offline.py --overlap both  # overlap mode on vs off, same workloads
 
-With --overlap, only the overlap comparison runs: one engine per mode, loaded side by side, and
-each workload run alternately on each (--repeats times, best and median reported) so that load
-from other processes hits both modes alike.
+With --overlap, only the overlap comparison runs: one engine per mode in turn (never two at
+once), --repeats rounds alternating which mode goes first, best and median reported, so that
+load from other processes hits both modes alike.
 """
 
 from __future__ import annotations
@@ -119,40 +119,46 @@ def overlap_workloads(tok, scale: float) -> dict[str, tuple[list[list[int]], int
 
 
 def bench_overlap(args) -> dict[str, Any]:
+    """Each mode in turn on an engine of its own, `--repeats` rounds alternating the modes. One
+    engine at a time: two engines in one process each keep an OpenMP team, which throttles both
+    (see kernels/cpu_runtime.py), so side-by-side engines would measure that instead."""
     from radixserve.workers import Engine
 
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
-    engines = {m: Engine(args.model_path, max_total_tokens=args.max_total_tokens,
-                         max_running_requests=64, enable_overlap=m) for m in modes}
     label = {True: "overlap on", False: "overlap off"}
     res: dict[str, Any] = {"threads": torch.get_num_threads()}
-    first = engines[modes[0]]
-    for name, (prompts, out_len) in overlap_workloads(first.tokenizer, args.scale).items():
-        run_engine(first, prompts[:2], 4)  # warm-up
-        rates: dict[bool, list[float]] = {m: [] for m in modes}
-        hidden: dict[bool, float] = {}
-        for _ in range(args.repeats):
-            for m in modes:
-                r = run_engine(engines[m], prompts, out_len)
-                rates[m].append(r["output_tok_s"])
-                hidden[m] = engines[m].stats()["step_host_hidden_fraction"]
+    rates: dict[str, dict[bool, list[float]]] = {}
+    steps: dict[bool, dict[str, Any]] = {}
+    workloads = None
+    for k in range(args.repeats):
+        for m in (modes if k % 2 == 0 else modes[::-1]):
+            engine = Engine(args.model_path, max_total_tokens=args.max_total_tokens,
+                            max_running_requests=64, enable_overlap=m)
+            workloads = workloads or overlap_workloads(engine.tokenizer, args.scale)
+            for name, (prompts, out_len) in workloads.items():
+                run_engine(engine, prompts[:2], 4)  # warm-up
+                r = run_engine(engine, prompts, out_len)
+                rates.setdefault(name, {x: [] for x in modes})[m].append(r["output_tok_s"])
+            steps[m] = engine.stats()
+            engine.shutdown()
+    for name, by_mode in rates.items():
+        prompts, out_len = workloads[name]
         row = {label[m]: {"best_output_tok_s": max(v), "median_output_tok_s": sorted(v)[len(v) // 2],
-                          "runs": v, "host_hidden_fraction": hidden[m]} for m, v in rates.items()}
+                          "runs": v, "host_hidden_fraction": steps[m]["step_host_hidden_fraction"]}
+               for m, v in by_mode.items()}
         res[name] = row
         cells = "  ".join(f"{label[m]}: best {max(v):7.1f} median {sorted(v)[len(v) // 2]:7.1f} tok/s"
-                          for m, v in rates.items())
+                          for m, v in by_mode.items())
         extra = ""
         if len(modes) == 2:
-            ratio = max(rates[True]) / max(rates[False])
+            ratio = max(by_mode[True]) / max(by_mode[False])
             row["on_vs_off_best"] = ratio
             extra = f"  on/off {ratio:.3f}x"
         print(f"{name:>11} ({len(prompts)} reqs x {out_len} out): {cells}{extra}", flush=True)
-    for e in engines.values():
-        stats = e.stats()
-        print(f"{label[e.core.overlap]}: decode forward {stats.get('decode_forward_ms_avg')} ms, "
+    for m, stats in steps.items():
+        print(f"{label[m]}: decode forward {stats.get('decode_forward_ms_avg')} ms, "
               f"schedule {stats.get('decode_schedule_ms_avg')} ms, text {stats.get('decode_text_ms_avg')} "
               f"ms, hidden {stats.get('decode_hidden_ms_avg')} ms per decode step", flush=True)
-        e.shutdown()
     return res
 
 

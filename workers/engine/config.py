@@ -8,12 +8,11 @@ from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 
-# enable_overlap=None picks, per device type, the mode that measured faster (bench_offline.py
-# --overlap both). CPU, 2 cores, SmolLM2-135M, on/off output tok/s (best of 3, quieter host):
-# 0.96x (decode b8), 1.01x (b32), 1.00x (prefill-heavy mix); a busier run gave 1.03x/1.01x/0.98x.
-# All within run-to-run noise: overlap can hide only the text work, ~0.26 ms of a ~57 ms decode
-# step, and costs a thread and one step of streaming latency, so it stays off. CUDA: the forward runs on the GPU while the host
-# works, so the hidden host time is a real gain.
+# enable_overlap=None picks, per device type, the mode that measured faster. CPU (2 cores,
+# SmolLM2-135M, one engine per process): batch-16 decode 450 tok/s off, 285-300 on; bench_offline
+# --overlap both --scale 0.5: on/off 0.66x (decode b8), 0.56x (b32), 0.55x (prefill-heavy mix). The forward's OpenMP team already uses every core, so a busy engine thread beside it only
+# preempts a worker mid-op; the host work it could hide is ~4 ms of a ~27 ms step. CUDA: the
+# forward runs on the GPU while the host works, so the hidden host time is a real gain.
 OVERLAP_BY_DEVICE = {"cpu": False, "cuda": True}
 
 
