@@ -32,6 +32,9 @@ namespace {
 constexpr int64_t kStrip = 16;     // output columns per packed strip (one zmm of float32)
 constexpr int64_t kRowTile = 16;   // rows of x accumulated in registers per pass over a strip
 constexpr int64_t kRowChunk = 128; // rows per parallel pass (keeps that slice of x cache-resident)
+// Software prefetch this many k pairs (64-byte lines) ahead within a strip: at 16 rows it took the
+// decode GEMMs from ~18 to ~15 ms a step on the dev VM (32 and 64 measured alike). Prefetching past
+// the end of the weight is harmless: a prefetch never faults.
 constexpr int64_t kPrefetchPairs = 64;
 
 // One strip for `MT` rows. Fewer rows leave the FMA pipeline idle on one accumulator's latency,
