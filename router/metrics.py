@@ -115,6 +115,9 @@ class _ReplicaCollector:
             ("token_usage", "Share of KV slots held by live requests or locked prefixes",
              lambda s: (s.kv_total - s.kv_free - s.kv_evictable) / s.kv_total if s.kv_total else 0.0),
             ("cache_evictable_tokens", "Cached tokens that can be evicted", lambda s: s.kv_evictable),
+            ("cache_protected_tokens", "Cached tokens locked by running requests (not evictable)",
+             lambda s: s.kv_protected),
+            ("kv_free_tokens", "KV slots free right now (evictable ones not counted)", lambda s: s.kv_free),
             ("kv_total_tokens", "KV pool size in tokens", lambda s: s.kv_total),
         )
         for name, doc, value in gauges:

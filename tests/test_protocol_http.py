@@ -207,7 +207,8 @@ def test_chat_template_is_the_models(tok):
 def test_metrics_render_replica_counters_and_request_histograms():
     m = Metrics("m")
     m.set_replicas([ReplicaStats(replica_id="b", running=2, kv_total=100, kv_free=50,
-                                 kv_evictable=30, prompt_tokens_total=40, cached_tokens_total=25),
+                                 kv_evictable=30, kv_protected=12, prompt_tokens_total=40,
+                                 cached_tokens_total=25),
                     ReplicaStats(replica_id="a", kv_total=100, kv_free=100)])
     t = m.timer()
     t.admitted()
@@ -220,6 +221,8 @@ def test_metrics_render_replica_counters_and_request_histograms():
     assert 'radixserve:num_running_reqs{model_name="m",replica="b"} 2.0' in text
     assert 'radixserve:token_usage{model_name="m",replica="b"} 0.2' in text
     assert 'radixserve:cache_evictable_tokens{model_name="m",replica="a"} 0.0' in text
+    assert 'radixserve:cache_protected_tokens{model_name="m",replica="b"} 12.0' in text
+    assert 'radixserve:kv_free_tokens{model_name="m",replica="b"} 50.0' in text
     assert 'radixserve:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
     assert 'radixserve:inter_token_latency_seconds_count{model_name="m"} 3.0' in text
     assert 'radixserve:e2e_request_latency_seconds_count{model_name="m"} 1.0' in text
