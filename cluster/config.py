@@ -151,6 +151,8 @@ HELP = {
     "chunked_prefill_size": "prefill chunk size in tokens (-1 disables chunking)",
     "schedule_policy": " | ".join(SCHEDULE_POLICIES),
     "disable_radix_cache": "turn prefix caching off",
+    "radix_eviction_policy": "lru (least recently used leaf first) | lfu (least used, then least "
+                             "recently used: one-off suffixes go before shared prefixes)",
     "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health",
     "dp": "number of engine replicas (data parallel)",
     "log_level": " | ".join(LOG_LEVELS),

@@ -40,6 +40,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=4096, help="KV pool per replica")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--radix-eviction-policy", default="lru", choices=("lru", "lfu"))
     p.add_argument("--cache-threshold", type=float, default=0.3)
     p.add_argument("--balance-abs-threshold", type=int, default=64)
     p.add_argument("--balance-rel-threshold", type=float, default=1.5)
@@ -74,6 +75,7 @@ def deploy(policy: str, args: argparse.Namespace) -> None:
                          "num_threads": args.num_threads,
                          "max_total_tokens": args.max_total_tokens,
                          "max_running_requests": args.max_running_requests,
+                         "radix_eviction_policy": args.radix_eviction_policy,
                          "cache_threshold": args.cache_threshold,
                          "balance_abs_threshold": args.balance_abs_threshold,
                          "balance_rel_threshold": args.balance_rel_threshold}),

@@ -471,3 +471,28 @@ def test_cached_prefixes_most_recent_first_within_budget():
     assert cache.cached_prefixes(100) == [[5, 6], [1, 2, 9], [1, 2, 3, 4]]
     assert cache.cached_prefixes(5) == [[5, 6], [1, 2, 9]]
     assert NullCache(pool).cached_prefixes(10) == []
+
+
+def test_lfu_evicts_one_off_suffixes_before_a_shared_prefix_used_longer_ago():
+    orders = {}
+    for policy in ("lru", "lfu"):
+        pool = KVPool(1, 1, 2, 16, dtype=torch.float32)
+        cache = RadixCache(pool, eviction_policy=policy)
+        run_request(cache, pool, [1, 2, 3])  # slots 1 2 3
+        run_request(cache, pool, [1, 2, 3])  # reuses [1, 2]: the tree is [1, 2] -> [3], both used twice
+        run_request(cache, pool, [9, 4, 5])  # slots 5 6 7 (slot 4 went back as a duplicate)
+        run_request(cache, pool, [8, 6, 7])  # slots 8 9 10
+        freed = []
+        while cache.evictable_size():
+            held = {s for s in range(1, 17) if not pool.is_free(s)}
+            cache.evict(1)  # one leaf at a time
+            freed.append(sorted(held - {s for s in range(1, 17) if not pool.is_free(s)}))
+            cache.check_integrity()
+        assert kv_invariant_ok(pool, cache)
+        orders[policy] = freed
+    # lru: the shared path was used before the two one-off requests, so it goes first;
+    # lfu: the one-off leaves (one use each) go before the twice-used path.
+    assert orders["lru"] == [[3], [1, 2], [5, 6, 7], [8, 9, 10]]
+    assert orders["lfu"] == [[5, 6, 7], [8, 9, 10], [3], [1, 2]]
+    with pytest.raises(ValueError, match="eviction_policy"):
+        RadixCache(pool, eviction_policy="fifo")

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from radixserve.workers.engine.radix_cache import EVICTION_POLICIES
+
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 
 # enable_overlap=None picks, per device type, the mode that measured faster. CPU (2 cores,
@@ -32,6 +34,7 @@ class EngineConfig:
     chunked_prefill_size: int = 2048  # -1 or 0 disables chunking
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"  # lru | lfu (radix_cache.py)
     enable_overlap: Optional[bool] = None  # None = on where it measures faster
     attention_backend: str = "auto"
     random_seed: int = 0
@@ -43,6 +46,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.radix_eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"radix_eviction_policy must be one of {EVICTION_POLICIES}, "
+                             f"got {self.radix_eviction_policy!r}")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.max_running_requests < 1:

@@ -58,8 +58,8 @@ class EngineCore:
         self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, self._pool_tokens(loaded),
                            dtype=mc.dtype, page_size=config.page_size)
         self.req_pool = ReqToTokenPool(config.max_running_requests + 1, self.context_length + 1)
-        cache_cls = NullCache if config.disable_radix_cache else RadixCache
-        self.cache = cache_cls(self.pool, page_size=config.page_size)
+        self.cache = (NullCache(self.pool, page_size=config.page_size) if config.disable_radix_cache else
+                      RadixCache(self.pool, page_size=config.page_size, eviction_policy=config.radix_eviction_policy))
         self.scheduler = Scheduler(config, self.pool, self.req_pool, self.cache)
         self.runner = ModelRunner(loaded.model, self.pool, self.req_pool)
         self.vocab_size = len(self.tokenizer)

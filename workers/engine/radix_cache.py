@@ -13,7 +13,10 @@ and every lock count is 0.
 
 LRU uses a monotonic counter bumped once per match/insert; every node on the touched path gets
 that stamp. Eviction pops the leaf with the smallest (stamp, node id): least recently used first,
-ties broken by creation order (older node first).
+ties broken by creation order (older node first). With eviction_policy="lfu" (SGLang's
+--radix-eviction-policy lfu) every touch also counts a hit, and the smallest (hits, stamp, node id)
+goes first: a leaf only one request ever used (a unique question, a generated answer) is evicted
+before a prefix many requests share, however recently it was used.
 """
 
 from __future__ import annotations
@@ -72,18 +75,26 @@ def kv_invariant_ok(pool, cache: PrefixCache) -> bool:
             and cache.all_locks_released())
 
 
-class _Node:
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "stamp", "nid", "namespace")
+EVICTION_POLICIES = ("lru", "lfu")
 
-    def __init__(self, key, value, parent, stamp, nid, namespace=None):
+
+class _Node:
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "stamp", "hits", "nid", "namespace")
+
+    def __init__(self, key, value, parent, stamp, nid, namespace=None, hits=1):
         self.key: list[int] = key
         self.value: list[int] = value
         self.parent: _Node | None = parent
         self.children: dict = {}
         self.lock_ref = 0
         self.stamp = stamp
+        self.hits = hits  # matches and inserts that went through this node
         self.nid = nid
         self.namespace = namespace  # only meaningful on roots
+
+    def touch(self, clock: int) -> None:
+        self.stamp = clock
+        self.hits += 1
 
 
 def _as_list(xs) -> list[int]:
@@ -111,7 +122,10 @@ class RadixCache(PrefixCache):
     has its own root, so different namespaces never share nodes.
     """
 
-    def __init__(self, pool: "KVPool", page_size: int | None = None):
+    def __init__(self, pool: "KVPool", page_size: int | None = None, eviction_policy: str = "lru"):
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
+        self.eviction_policy = eviction_policy
         pool_page = getattr(pool, "page_size", 1)
         self.page_size = pool_page if page_size is None else page_size
         if self.page_size != pool_page:
@@ -125,7 +139,7 @@ class RadixCache(PrefixCache):
         self._roots: dict = {None: self._new_root(None)}
         self._evictable = 0
         self._protected = 0
-        self._heap: list = []  # (stamp, nid, node); stale entries are skipped when popped
+        self._heap: list = []  # (priority, nid, node); stale entries are skipped when popped
         self._num_nodes = 0
 
     # ----- lookup -----
@@ -149,16 +163,16 @@ class RadixCache(PrefixCache):
             if n < len(child.key):
                 # Only the upper part was used; the lower part keeps its stamp (and heap entry).
                 node, pos = self._split(child, n), pos + n
-                node.stamp = self._clock
+                node.touch(self._clock)
                 break
-            child.stamp = self._clock
+            child.touch(self._clock)
             node, pos = child, pos + n
         self._push_if_evictable(node)  # its stamp changed: a fresh heap entry replaces the old
         return node, pos
 
     def _split(self, child: _Node, n: int) -> _Node:
         """Cut `child`'s edge after n tokens; the new upper node inherits its lock count."""
-        top = _Node(child.key[:n], child.value[:n], child.parent, child.stamp, next(self._ids))
+        top = _Node(child.key[:n], child.value[:n], child.parent, child.stamp, next(self._ids), hits=child.hits)
         top.lock_ref = child.lock_ref
         top.children[self._child_key(child.key, n)] = child
         child.parent.children[self._child_key(child.key, 0)] = top
@@ -255,33 +269,37 @@ class RadixCache(PrefixCache):
         return MatchResult(self._path_slots(new_node) + slots[n:], new_node)
 
     # ----- eviction -----
+    def _priority(self, node: _Node) -> tuple[int, ...]:
+        """Eviction order key: smallest first. Changes whenever the node is touched."""
+        return (node.hits, node.stamp) if self.eviction_policy == "lfu" else (node.stamp,)
+
     def _push_if_evictable(self, node: _Node) -> None:
         if node.parent is not None and not node.children and node.lock_ref == 0:
-            heapq.heappush(self._heap, (node.stamp, node.nid, node))
+            heapq.heappush(self._heap, (self._priority(node), node.nid, node))
             if len(self._heap) > 2 * self._num_nodes + 64:
                 self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
         """Drop stale entries; amortized O(1) per push since it runs when they dominate."""
-        self._heap = [(n.stamp, n.nid, n) for n in self._nodes() if self._is_evictable_leaf(n)]
+        self._heap = [(self._priority(n), n.nid, n) for n in self._nodes() if self._is_evictable_leaf(n)]
         heapq.heapify(self._heap)
 
     @staticmethod
     def _is_evictable_leaf(node: _Node) -> bool:
         return node.parent is not None and not node.children and node.lock_ref == 0
 
-    def _entry_valid(self, stamp, node: _Node) -> bool:
-        return self._is_evictable_leaf(node) and node.stamp == stamp
+    def _entry_valid(self, priority, node: _Node) -> bool:
+        return self._is_evictable_leaf(node) and self._priority(node) == priority
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least num_tokens slots from unlocked leaves, least recently used first.
+        """Free at least num_tokens slots from unlocked leaves, in eviction order (see above).
 
         Returns how many slots were freed (fewer when not enough is evictable).
         """
         freed = 0
         while freed < num_tokens and self._heap:
-            stamp, _, node = heapq.heappop(self._heap)
-            if not self._entry_valid(stamp, node):
+            priority, _, node = heapq.heappop(self._heap)
+            if not self._entry_valid(priority, node):
                 continue
             self.pool.free(node.value)
             freed += len(node.value)
