@@ -7,8 +7,11 @@ returns the bound application: the ingress in front of `dp` engine replicas.
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any, Optional
 
+import ray
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
@@ -24,9 +27,28 @@ def replica_options(args: ServerArgs) -> dict[str, Any]:
     own PolicyRequestRouter with these policy settings."""
     router = RequestRouterConfig(request_router_class=REQUEST_ROUTER_CLASS,
                                  request_router_kwargs=args.policy_kwargs())
+    cpus = args.deployment.replica_num_cpus
+    if cpus is None:
+        cpus = replica_cpu_share(args.deployment.dp)
     return {"num_replicas": args.deployment.dp,
-            "ray_actor_options": {"num_cpus": args.deployment.replica_num_cpus},
+            "ray_actor_options": {"num_cpus": cpus},
             "request_router_config": router}
+
+
+def replica_cpu_share(dp: int) -> float:
+    """CPUs per engine replica when --replica-num-cpus is unset: the smallest node's CPUs split
+    among the replicas each node must hold, so all dp replicas fit. Ray gives a replica
+    OMP_NUM_THREADS = int(its CPUs) (at least 1), which is the engine's torch thread count: one
+    replica on a 2-core machine computes on both cores, not on one."""
+    node_cpus = []
+    if ray.is_initialized():
+        node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+        node_cpus = [c for c in node_cpus if c > 0]
+    if not node_cpus:
+        node_cpus = [float(os.cpu_count() or 1)]
+    per_node = math.ceil(dp / len(node_cpus))
+    share = min(node_cpus) / per_node
+    return float(int(share)) if share >= 1 else round(share, 2)
 
 
 def build(args: ServerArgs) -> Application:

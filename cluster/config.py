@@ -45,7 +45,7 @@ class DeploymentConfig:
     """How the Serve application is laid out on the Ray cluster."""
 
     dp: int = 1  # engine replicas
-    replica_num_cpus: float = 1.0  # Ray CPUs reserved per engine replica
+    replica_num_cpus: Optional[float] = None  # Ray CPUs per engine replica; None: a node's share
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.0  # the ingress is I/O bound; it must not starve the engines
     app_name: str = "radixserve"
@@ -56,7 +56,7 @@ class DeploymentConfig:
             raise ValueError("dp must be >= 1")
         if self.ingress_replicas < 1:
             raise ValueError("ingress_replicas must be >= 1")
-        if self.replica_num_cpus < 0 or self.ingress_num_cpus < 0:
+        if (self.replica_num_cpus is not None and self.replica_num_cpus < 0) or self.ingress_num_cpus < 0:
             raise ValueError("num_cpus must be >= 0")
 
 
@@ -155,6 +155,8 @@ HELP = {
                              "recently used: one-off suffixes go before shared prefixes)",
     "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health",
     "dp": "number of engine replicas (data parallel)",
+    "replica_num_cpus": "Ray CPUs per engine replica, also its torch threads (default: the smallest "
+                        "node's CPUs split among the replicas it must hold)",
     "log_level": " | ".join(LOG_LEVELS),
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
     "router_policy": f"replica choice: {' | '.join(POLICY_NAMES)} (default: cache_aware if dp > 1)",

@@ -45,6 +45,24 @@ def test_cli_flags_fill_the_layers():
     assert parse_cli(["--dp-size", "3"]).deployment.dp == 3
 
 
+def test_replica_cpus_default_to_a_share_of_the_smallest_node(monkeypatch):
+    from radixserve.cluster import app
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 8.0}}, {"Alive": True, "Resources": {"CPU": 4.0}},
+             {"Alive": False, "Resources": {"CPU": 64.0}}, {"Alive": True, "Resources": {}}]
+    monkeypatch.setattr(app.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(app.ray, "nodes", lambda: nodes)
+    # dp replicas over the 2 live CPU nodes: ceil(dp / 2) per node, sized to the 4-CPU node.
+    assert [app.replica_cpu_share(dp) for dp in (1, 2, 3, 4, 8, 16)] == [4.0, 4.0, 2.0, 2.0, 1.0, 0.5]
+    monkeypatch.setattr(app.ray, "is_initialized", lambda: False)  # no Ray yet: this machine
+    monkeypatch.setattr(app.os, "cpu_count", lambda: 2)
+    assert (app.replica_cpu_share(1), app.replica_cpu_share(2), app.replica_cpu_share(3)) == (2.0, 1.0, 0.67)
+    # An explicit --replica-num-cpus wins.
+    options = app.replica_options(ServerArgs.from_dict({"dp": 2, "replica_num_cpus": 0.5}))
+    assert options["ray_actor_options"] == {"num_cpus": 0.5} and options["num_replicas"] == 2
+    assert app.replica_options(ServerArgs.from_dict({}))["ray_actor_options"] == {"num_cpus": 2.0}
+
+
 def test_yaml_then_flags_override(tmp_path):
     path = tmp_path / "args.yaml"
     path.write_text("max-total-tokens: 2048\nport: 30001\ndp: 2\n")
