@@ -16,7 +16,6 @@ from collections import defaultdict
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Optional
 
-
 from radixserve.kernels.cpu_runtime import on_short_lived_thread
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.engine_core import EngineCore

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels import cpu_ops
 from radixserve.kernels.attention import AttentionBackend
 from radixserve.workers.engine.forward_batch import ForwardBatch
 from radixserve.workers.models.config import ModelConfig
-from radixserve.kernels import cpu_ops
 from radixserve.workers.models.layers import FusedLinear, Linear, RMSNorm, RotaryEmbedding, linear, silu_and_mul
 
 # checkpoint leaf module -> (our fused module, shard index)
