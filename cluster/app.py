@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import ray
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from radixserve.cluster.config import ServerArgs
-from radixserve.router.ingress import IngressDeployment
-from radixserve.router.request_router import REQUEST_ROUTER_CLASS
+from radixserve.router.frontend.ingress import IngressDeployment
+from radixserve.router.routing.request_router import REQUEST_ROUTER_CLASS
 from radixserve.workers.replica import EngineReplica
 
 
@@ -25,14 +25,17 @@ def replica_options(args: ServerArgs) -> dict[str, Any]:
     """Serve options of the engine deployment. The routing policy plugs in here, as this
     deployment's Serve request router: every handle to it (one per ingress replica) builds its
     own PolicyRequestRouter with these policy settings."""
-    router = RequestRouterConfig(request_router_class=REQUEST_ROUTER_CLASS,
-                                 request_router_kwargs=args.policy_kwargs())
+    router = RequestRouterConfig(
+        request_router_class=REQUEST_ROUTER_CLASS, request_router_kwargs=args.policy_kwargs()
+    )
     cpus = args.deployment.replica_num_cpus
     if cpus is None:
         cpus = replica_cpu_share(args.deployment.dp)
-    return {"num_replicas": args.deployment.dp,
-            "ray_actor_options": {"num_cpus": cpus},
-            "request_router_config": router}
+    return {
+        "num_replicas": args.deployment.dp,
+        "ray_actor_options": {"num_cpus": cpus},
+        "request_router_config": router,
+    }
 
 
 def replica_cpu_share(dp: int) -> float:
@@ -55,12 +58,12 @@ def build(args: ServerArgs) -> Application:
     replicas = EngineReplica.options(**replica_options(args)).bind(args.engine_kwargs())
     ingress = IngressDeployment.options(
         num_replicas=args.deployment.ingress_replicas,
-        ray_actor_options={"num_cpus": args.deployment.ingress_num_cpus})
-    routing = {"policy": args.policy_kwargs(),
-               "sync_interval_s": args.router.router_sync_interval_s}
+        ray_actor_options={"num_cpus": args.deployment.ingress_num_cpus},
+    )
+    routing = {"policy": args.policy_kwargs(), "sync_interval_s": args.router.router_sync_interval_s}
     return ingress.bind(replicas, {**args.to_dict()}, routing)
 
 
-def build_app(args: Optional[dict[str, Any]] = None) -> Application:
+def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ray Serve's application builder: `args` is the flat dict of ServerArgs field names."""
     return build(ServerArgs.from_dict(args))

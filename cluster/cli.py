@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from radixserve.cluster.config import ServerArgs, parse_cli
 
@@ -46,16 +46,17 @@ def serve_forever(args: ServerArgs) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     started_ray = False
     try:
-        ray.init(address=address, include_dashboard=False, logging_level=level,
-                 configure_logging=True)
+        ray.init(address=address, include_dashboard=False, logging_level=level, configure_logging=True)
         # Ray's core worker installs its own SIGTERM handler (it aborts); ours must win.
         signal.signal(signal.SIGINT, _on_signal)
         signal.signal(signal.SIGTERM, _on_signal)
         started_ray = address is None
         serve.start(http_options={"host": args.http.host, "port": args.http.port})
         serve.run(build(args), name=args.deployment.app_name, route_prefix="/")
-        print(f"RadixServe is ready at {args.url} ({args.deployment.dp} engine replica(s)); "
-              "Ctrl-C stops it.", flush=True)
+        print(
+            f"RadixServe is ready at {args.url} ({args.deployment.dp} engine replica(s)); Ctrl-C stops it.",
+            flush=True,
+        )
         while True:
             time.sleep(3600)
     except Interrupted as e:
@@ -81,7 +82,7 @@ def _teardown(args: ServerArgs, started_ray: bool) -> None:
     ray.shutdown()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -90,8 +91,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     args = parse_cli(argv[1:])
-    logging.basicConfig(level=args.http.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.http.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return serve_forever(args)
 
 

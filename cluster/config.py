@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import yaml
 
-from radixserve.router.policy import POLICY_NAMES, PolicyConfig
+from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
 from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -27,7 +28,7 @@ class HTTPConfig:
 
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: Optional[str] = None
+    api_key: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
     log_level: str = "info"
 
@@ -45,11 +46,11 @@ class DeploymentConfig:
     """How the Serve application is laid out on the Ray cluster."""
 
     dp: int = 1  # engine replicas
-    replica_num_cpus: Optional[float] = None  # Ray CPUs per engine replica; None: a node's share
+    replica_num_cpus: float | None = None  # Ray CPUs per engine replica; None: a node's share
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.0  # the ingress is I/O bound; it must not starve the engines
     app_name: str = "radixserve"
-    ray_address: Optional[str] = None  # None: RAY_ADDRESS or a new local instance
+    ray_address: str | None = None  # None: RAY_ADDRESS or a new local instance
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -62,9 +63,9 @@ class DeploymentConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """How the ingress chooses an engine replica (router/policy.py, router/request_router.py)."""
+    """How the ingress chooses an engine replica (router/routing/policy.py, router/routing/request_router.py)."""
 
-    router_policy: Optional[str] = None  # None: cache_aware with dp > 1, else round_robin
+    router_policy: str | None = None  # None: cache_aware with dp > 1, else round_robin
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
@@ -77,14 +78,20 @@ class RouterConfig:
 
     def policy_kwargs(self, default_policy: str) -> dict[str, Any]:
         """PolicyConfig fields (JSON-able: Serve passes them to the request router)."""
-        return {"policy": self.router_policy or default_policy,
-                "cache_threshold": self.cache_threshold,
-                "balance_abs_threshold": self.balance_abs_threshold,
-                "balance_rel_threshold": self.balance_rel_threshold}
+        return {
+            "policy": self.router_policy or default_policy,
+            "cache_threshold": self.cache_threshold,
+            "balance_abs_threshold": self.balance_abs_threshold,
+            "balance_rel_threshold": self.balance_rel_threshold,
+        }
 
 
-LAYERS: dict[str, type] = {"engine": EngineConfig, "http": HTTPConfig,
-                           "deployment": DeploymentConfig, "router": RouterConfig}
+LAYERS: dict[str, type] = {
+    "engine": EngineConfig,
+    "http": HTTPConfig,
+    "deployment": DeploymentConfig,
+    "router": RouterConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ class ServerArgs:
     router: RouterConfig = field(default_factory=RouterConfig)
 
     @classmethod
-    def from_dict(cls, d: Optional[dict[str, Any]] = None) -> "ServerArgs":
+    def from_dict(cls, d: dict[str, Any] | None = None) -> ServerArgs:
         """Build from one flat dict of field names (hyphens allowed); unknown names are an error."""
         flat = {str(k).replace("-", "_"): v for k, v in (d or {}).items()}
         if "dp_size" in flat:
@@ -110,7 +117,7 @@ class ServerArgs:
         return cls(**{layer: LAYERS[layer](**kw) for layer, kw in parts.items()})
 
     @classmethod
-    def from_yaml(cls, path: str, overrides: Optional[dict[str, Any]] = None) -> "ServerArgs":
+    def from_yaml(cls, path: str, overrides: dict[str, Any] | None = None) -> ServerArgs:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
@@ -152,11 +159,11 @@ HELP = {
     "schedule_policy": " | ".join(SCHEDULE_POLICIES),
     "disable_radix_cache": "turn prefix caching off",
     "radix_eviction_policy": "lru (least recently used leaf first) | lfu (least used, then least "
-                             "recently used: one-off suffixes go before shared prefixes)",
+    "recently used: one-off suffixes go before shared prefixes)",
     "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health",
     "dp": "number of engine replicas (data parallel)",
     "replica_num_cpus": "Ray CPUs per engine replica, also its torch threads (default: the smallest "
-                        "node's CPUs split among the replicas it must hold)",
+    "node's CPUs split among the replicas it must hold)",
     "log_level": " | ".join(LOG_LEVELS),
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
     "router_policy": f"replica choice: {' | '.join(POLICY_NAMES)} (default: cache_aware if dp > 1)",
@@ -168,8 +175,9 @@ HELP = {
 
 
 def _value_type(annotation: str) -> type:
-    """The scalar type of a field annotation written as a string (`Optional[int]` -> int)."""
-    inner = annotation.replace("Optional[", "").rstrip("]")
+    """The scalar type of a field annotation written as a string (`int | None` -> int)."""
+    parts = [p.strip() for p in annotation.split("|") if p.strip() != "None"]
+    inner = parts[0] if len(parts) == 1 else "str"
     return {"bool": bool, "int": int, "float": float}.get(inner, str)
 
 
@@ -183,16 +191,26 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             kind = _value_type(str(f.type))  # annotations are strings (postponed evaluation)
             help_text = HELP.get(f.name, "")
             if kind is bool:
-                group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
-                                   default=None, help=help_text)
+                group.add_argument(
+                    *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                )
             else:
-                choices = {"schedule_policy": SCHEDULE_POLICIES, "log_level": LOG_LEVELS,
-                           "router_policy": POLICY_NAMES}.get(f.name)
-                group.add_argument(*names, dest=f.name, type=kind, default=None, choices=choices,
-                                   help=f"{help_text} (default: {f.default})".strip())
+                choices = {
+                    "schedule_policy": SCHEDULE_POLICIES,
+                    "log_level": LOG_LEVELS,
+                    "router_policy": POLICY_NAMES,
+                }.get(f.name)
+                group.add_argument(
+                    *names,
+                    dest=f.name,
+                    type=kind,
+                    default=None,
+                    choices=choices,
+                    help=f"{help_text} (default: {f.default})".strip(),
+                )
 
 
-def parse_cli(argv: Optional[Sequence[str]] = None) -> ServerArgs:
+def parse_cli(argv: Sequence[str] | None = None) -> ServerArgs:
     """`radixserve serve` arguments: an optional --config YAML, then flags that override it."""
     parser = argparse.ArgumentParser(prog="radixserve serve")
     parser.add_argument("--config", help="YAML file of server arguments (flags override it)")

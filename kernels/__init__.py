@@ -1,5 +1,2 @@
-"""Hot ops: attention over the paged KV pool (reference and fast CPU backends)."""
-
-from radixserve.kernels.attention import AttentionBackend, CpuBackend, TorchReferenceBackend, get_backend
-
-__all__ = ["AttentionBackend", "CpuBackend", "TorchReferenceBackend", "get_backend"]
+"""Hot ops only, importing nothing else of RadixServe: fused CPU C++ kernels (csrc/, built at
+first use) with plain-torch fallbacks that compute the same thing (`cpu_ops`)."""

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ def _cpu_signature() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def native_ops() -> Optional[Any]:
+def native_ops() -> Any | None:
     """The compiled extension module, or None when disabled or unbuildable."""
     if os.environ.get("RADIXSERVE_CPU_KERNELS", "1") == "0":
         return None
@@ -81,8 +81,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """h += delta (in place, in h's dtype), then return rms_norm(h)."""
-    if (_usable(h, delta, weight) and h.dtype == delta.dtype == weight.dtype and h.dim() == 2
-            and h.is_contiguous() and delta.is_contiguous()):
+    if (
+        _usable(h, delta, weight)
+        and h.dtype == delta.dtype == weight.dtype
+        and h.dim() == 2
+        and h.is_contiguous()
+        and delta.is_contiguous()
+    ):
         return native_ops().add_rms_norm_(h, delta, weight, eps)
     h.add_(delta)
     return rms_norm_torch(h, weight, eps)
@@ -103,23 +108,48 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_torch(gate_up)
 
 
-def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
-                     seq_lens: torch.Tensor) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    kv_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]: sequence b attends to slots kv_indices[b, :seq_lens[b]]."""
-    if (_usable(q, k_buf, v_buf) and q.dtype == k_buf.dtype == v_buf.dtype and q.stride(-1) == 1
-            and kv_indices.is_contiguous() and seq_lens.is_contiguous()):
-        return native_ops().decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, 1.0 / math.sqrt(q.shape[-1]))
+    if (
+        _usable(q, k_buf, v_buf)
+        and q.dtype == k_buf.dtype == v_buf.dtype
+        and q.stride(-1) == 1
+        and kv_indices.is_contiguous()
+        and seq_lens.is_contiguous()
+    ):
+        return native_ops().decode_attention(
+            q, k_buf, v_buf, kv_indices, seq_lens, 1.0 / math.sqrt(q.shape[-1])
+        )
     return decode_attention_torch(q, k_buf, v_buf, kv_indices, seq_lens)
 
 
-def extend_attention_native(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
-                            seq_lens: torch.Tensor, cu_extend: torch.Tensor) -> Optional[torch.Tensor]:
+def extend_attention_native(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    kv_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_extend: torch.Tensor,
+) -> torch.Tensor | None:
     """Causal prefill attention for a whole batch over the pool (new K/V already stored), or None
     where the extension cannot run it (the caller then uses SDPA per sequence)."""
     if not (_usable(q, k_buf, v_buf) and q.dtype == k_buf.dtype == v_buf.dtype and q.stride(-1) == 1):
         return None
-    return native_ops().extend_attention(q, k_buf, v_buf, kv_indices.contiguous(), seq_lens.contiguous(),
-                                         cu_extend.contiguous(), 1.0 / math.sqrt(q.shape[-1]))
+    return native_ops().extend_attention(
+        q,
+        k_buf,
+        v_buf,
+        kv_indices.contiguous(),
+        seq_lens.contiguous(),
+        cu_extend.contiguous(),
+        1.0 / math.sqrt(q.shape[-1]),
+    )
 
 
 GEMM_STRIP = 16  # output columns per packed strip (csrc/gemm.h)
@@ -128,8 +158,12 @@ GEMM_STRIP = 16  # output columns per packed strip (csrc/gemm.h)
 def gemm_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether linear layers of this dtype/device can run packed (bf16, AVX512-BF16 CPU)."""
     ops = native_ops()
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and ops is not None
-            and ops.gemm_available())
+    return (
+        dtype == torch.bfloat16
+        and torch.device(device).type == "cpu"
+        and ops is not None
+        and ops.gemm_available()
+    )
 
 
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
@@ -148,11 +182,15 @@ def unpack_linear_weight(wp: torch.Tensor, n: int) -> torch.Tensor:
     return wp.permute(0, 2, 1, 3).reshape(strips * GEMM_STRIP, pairs * 2)[:n]
 
 
-def packed_linear(x: torch.Tensor, wp: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with W packed by pack_linear_weight; bias float32 [N] or None."""
     x2 = x.reshape(-1, x.shape[-1])
-    if _usable(x2, wp) and x2.dtype == wp.dtype == torch.bfloat16 and x2.stride(-1) == 1 \
-            and native_ops().gemm_available():
+    if (
+        _usable(x2, wp)
+        and x2.dtype == wp.dtype == torch.bfloat16
+        and x2.stride(-1) == 1
+        and native_ops().gemm_available()
+    ):
         y = native_ops().packed_linear(x2, wp, n, bias)
     else:
         y = F.linear(x2.float(), unpack_linear_weight(wp, n).float(), bias).to(x.dtype)
@@ -161,6 +199,7 @@ def packed_linear(x: torch.Tensor, wp: torch.Tensor, n: int, bias: Optional[torc
 
 # The torch versions: fallbacks where the extension is unavailable, and the references its tests
 # compare against.
+
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight

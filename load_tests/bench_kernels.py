@@ -1,14 +1,14 @@
 """CPU kernel micro-benchmarks, each side by side with what it replaced, in one run.
 
-    python load_tests/bench_kernels.py            # ~1 minute on 2 cores
-    python load_tests/bench_kernels.py --json results/kernels.json
+    python -m load_tests.bench_kernels            # ~1 minute on 2 cores
+    python -m load_tests.bench_kernels --json results/kernels.json
 
 1. Projections: the packed AVX512-BF16 GEMM (kernels/csrc/gemm.h) against torch's matmul over
    all of the default model's projections plus its LM head, at decode and prefill row counts.
 2. Decode attention: the native kernel against the torch fallback (gather + two batched matmuls),
    over a paged pool with unrelated sequences and with sequences sharing a 1000-token prefix.
 3. OpenMP teams: one decode forward timed on the thread that loaded the model's team and on a
-   thread started after another thread's team exists (kernels/cpu_runtime.py explains why the
+   thread started after another thread's team exists (workers/executor/cpu_runtime.py explains why the
    engine loads on a short-lived thread).
 """
 
@@ -19,7 +19,8 @@ import json
 import math
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +49,9 @@ def timed(fn: Callable[[], Any], seconds: float = 1.0) -> float:
 
 def bench_gemm(rows_list: list[int]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
-    weights = [[torch.randn(n, k, generator=gen).to(torch.bfloat16) for k, n in LAYER_SHAPES]
-               for _ in range(LAYERS)]
+    weights = [
+        [torch.randn(n, k, generator=gen).to(torch.bfloat16) for k, n in LAYER_SHAPES] for _ in range(LAYERS)
+    ]
     head = torch.randn(LM_HEAD[1], LM_HEAD[0], generator=gen).to(torch.bfloat16)
     packed = [[cpu_ops.pack_linear_weight(w) for w in layer] for layer in weights]
     packed_head = cpu_ops.pack_linear_weight(head)
@@ -59,27 +61,37 @@ def bench_gemm(rows_list: list[int]) -> dict[str, Any]:
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
         with_head = m <= 64  # the LM head only sees the sampled rows
 
-        def torch_mm():
+        def torch_mm(xs=xs, with_head=with_head):
             for layer in weights:
                 for w in layer:
                     F.linear(xs[w.shape[1]], w)
             if with_head:
                 F.linear(xs[576], head)
 
-        def packed_mm():
+        def packed_mm(xs=xs, with_head=with_head):
             for layer, pl in zip(weights, packed):
                 for w, p in zip(layer, pl):
                     native.packed_linear(xs[w.shape[1]], p, w.shape[0], None)
             if with_head:
                 native.packed_linear(xs[576], packed_head, head.shape[0], None)
 
-        flops = 2 * m * (LAYERS * sum(k * n for k, n in LAYER_SHAPES) + (math.prod(LM_HEAD) if with_head else 0))
+        flops = (
+            2 * m * (LAYERS * sum(k * n for k, n in LAYER_SHAPES) + (math.prod(LM_HEAD) if with_head else 0))
+        )
         t_torch, t_packed = timed(torch_mm), timed(packed_mm)
-        out[m] = {"torch_ms": 1e3 * t_torch, "packed_ms": 1e3 * t_packed, "speedup": t_torch / t_packed,
-                  "torch_gflops": flops / t_torch / 1e9, "packed_gflops": flops / t_packed / 1e9}
-        print(f"GEMM M={m:4d}: torch {1e3 * t_torch:7.2f} ms ({flops / t_torch / 1e9:5.0f} GFLOP/s)  "
-              f"packed {1e3 * t_packed:7.2f} ms ({flops / t_packed / 1e9:5.0f} GFLOP/s)  "
-              f"{t_torch / t_packed:.2f}x", flush=True)
+        out[m] = {
+            "torch_ms": 1e3 * t_torch,
+            "packed_ms": 1e3 * t_packed,
+            "speedup": t_torch / t_packed,
+            "torch_gflops": flops / t_torch / 1e9,
+            "packed_gflops": flops / t_packed / 1e9,
+        }
+        print(
+            f"GEMM M={m:4d}: torch {1e3 * t_torch:7.2f} ms ({flops / t_torch / 1e9:5.0f} GFLOP/s)  "
+            f"packed {1e3 * t_packed:7.2f} ms ({flops / t_packed / 1e9:5.0f} GFLOP/s)  "
+            f"{t_torch / t_packed:.2f}x",
+            flush=True,
+        )
     return out
 
 
@@ -104,16 +116,19 @@ def bench_decode_attention(batch: int, length: int, shared: int) -> dict[str, An
     t_native = timed(lambda: native.decode_attention(q, k_buf, v_buf, kv, lens, scale))
     t_torch = timed(lambda: cpu_ops.decode_attention_torch(q, k_buf, v_buf, kv, lens))
     label = f"B={batch} L={length}" + (f" (groups of 8 share {shared})" if shared else "")
-    print(f"decode attention {label}: native {1e6 * t_native:8.1f} us  torch {1e6 * t_torch:8.1f} us per layer  "
-          f"{t_torch / t_native:.1f}x", flush=True)
+    print(
+        f"decode attention {label}: native {1e6 * t_native:8.1f} us  torch {1e6 * t_torch:8.1f} us per layer  "
+        f"{t_torch / t_native:.1f}x",
+        flush=True,
+    )
     return {"native_us": 1e6 * t_native, "torch_us": 1e6 * t_torch}
 
 
 def bench_openmp_teams(batch: int = 16, length: int = 100) -> dict[str, Any]:
     """A decode forward of the default model on the thread whose OpenMP team is the only one,
     then on a new thread while another thread's team exists."""
-    from radixserve.workers.engine.forward_batch import ForwardBatch, ForwardMode
-    from radixserve.workers.engine.kv_pool import KVPool
+    from radixserve.workers.mem_cache.kv_pool import KVPool
+    from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
     from radixserve.workers.models.loader import load_model
 
     results: dict[str, float] = {}
@@ -126,10 +141,18 @@ def bench_openmp_teams(batch: int = 16, length: int = 100) -> dict[str, Any]:
         kv = torch.arange(1, batch * length + 1).view(batch, length)
 
         def forward() -> None:
-            b = ForwardBatch(ForwardMode.DECODE, torch.randint(100, 40000, (batch,)),
-                             torch.full((batch,), length - 1), kv[:, -1].clone(), torch.full((batch,), length),
-                             torch.ones(batch, dtype=torch.int64), kv.clone(), torch.arange(batch),
-                             [length] * batch, [1] * batch)
+            b = ForwardBatch(
+                ForwardMode.DECODE,
+                torch.randint(100, 40000, (batch,)),
+                torch.full((batch,), length - 1),
+                kv[:, -1].clone(),
+                torch.full((batch,), length),
+                torch.ones(batch, dtype=torch.int64),
+                kv.clone(),
+                torch.arange(batch),
+                [length] * batch,
+                [1] * batch,
+            )
             with torch.inference_mode():
                 loaded.model(b, pool)
 
@@ -141,11 +164,16 @@ def bench_openmp_teams(batch: int = 16, length: int = 100) -> dict[str, Any]:
     loader.join()
     # The main thread runs one parallel op (its own team now exists), then a new thread forwards.
     torch.randn(4096, 4096).sum()
-    other = threading.Thread(target=lambda: results.__setitem__("two_teams_ms", 1e3 * timed(state["forward"], 3.0)))
+    other = threading.Thread(
+        target=lambda: results.__setitem__("two_teams_ms", 1e3 * timed(state["forward"], 3.0))
+    )
     other.start()
     other.join()
-    print(f"decode forward B={batch} L={length}: one OpenMP team {results['one_team_ms']:.1f} ms, "
-          f"two teams {results['two_teams_ms']:.1f} ms", flush=True)
+    print(
+        f"decode forward B={batch} L={length}: one OpenMP team {results['one_team_ms']:.1f} ms, "
+        f"two teams {results['two_teams_ms']:.1f} ms",
+        flush=True,
+    )
     return results
 
 
@@ -158,11 +186,14 @@ def main(argv=None) -> int:
         print("this CPU (or build) has no AVX512-BF16 packed GEMM; nothing to compare")
         return 1
     res: dict[str, Any] = {"threads": torch.get_num_threads()}
+
     # Kernels first, on a short-lived thread: the team test below needs a process without one.
     def kernels() -> None:
         res["gemm"] = bench_gemm([int(r) for r in args.rows.split(",")])
-        res["decode_attention"] = {"unrelated": bench_decode_attention(16, 100, 0),
-                                   "shared_prefix": bench_decode_attention(64, 1100, 1000)}
+        res["decode_attention"] = {
+            "unrelated": bench_decode_attention(16, 100, 0),
+            "shared_prefix": bench_decode_attention(64, 1100, 1000),
+        }
 
     worker = threading.Thread(target=kernels)
     worker.start()

@@ -9,9 +9,9 @@ Systems: this engine (radix cache on), this engine with the radix cache off, and
 Also: the machine's measured bf16 GEMM peak, prefill throughput as a share of it, and decode
 throughput at batch 16 against Hugging Face `generate` at batch 16.
 
-    python load_tests/bench_offline.py                 # the full set (several minutes on 2 cores)
-    python load_tests/bench_offline.py --scale 0.25    # a quick look
-    python load_tests/bench_offline.py --overlap both  # overlap mode on vs off, same workloads
+    python -m load_tests.bench_offline                 # the full set (several minutes on 2 cores)
+    python -m load_tests.bench_offline --scale 0.25    # a quick look
+    python -m load_tests.bench_offline --overlap both  # overlap mode on vs off, same workloads
 
 With --overlap, only the overlap comparison runs: one engine per mode in turn (never two at
 once), --repeats rounds alternating which mode goes first, best and median reported, so that
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from radixserve.kernels.cpu_runtime import on_short_lived_thread
+from radixserve.workers.executor.cpu_runtime import on_short_lived_thread
 
 
 def gemm_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 3.0) -> float:
@@ -76,11 +76,17 @@ def run_engine(engine, prompts, out_len) -> dict[str, Any]:
     gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
     inp = sum(len(p) for p in prompts)
-    return {"seconds": dt, "output_tok_s": gen / dt, "total_tok_s": (gen + inp) / dt,
-            "req_s": len(prompts) / dt, "cached_tokens": cached, "input_tokens": inp,
-            "computed_prefill_tokens": after["computed_tokens_total"] - before["computed_tokens_total"],
-            "decode_forward_ms_avg": after.get("decode_forward_ms_avg"),
-            "decode_batch_avg": after.get("decode_batch_size_avg")}
+    return {
+        "seconds": dt,
+        "output_tok_s": gen / dt,
+        "total_tok_s": (gen + inp) / dt,
+        "req_s": len(prompts) / dt,
+        "cached_tokens": cached,
+        "input_tokens": inp,
+        "computed_prefill_tokens": after["computed_tokens_total"] - before["computed_tokens_total"],
+        "decode_forward_ms_avg": after.get("decode_forward_ms_avg"),
+        "decode_batch_avg": after.get("decode_batch_size_avg"),
+    }
 
 
 def run_hf(model, prompts, out_len, batch) -> dict[str, Any]:
@@ -88,17 +94,27 @@ def run_hf(model, prompts, out_len, batch) -> dict[str, Any]:
     gen = 0
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
+            chunk = prompts[i : i + batch]
             width = max(len(p) for p in chunk)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_len,
-                                 min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=out_len,
+                min_new_tokens=out_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
             gen += (out.shape[1] - width) * len(chunk)
     dt = time.perf_counter() - t
     inp = sum(len(p) for p in prompts)
-    return {"seconds": dt, "output_tok_s": gen / dt, "total_tok_s": (gen + inp) / dt,
-            "req_s": len(prompts) / dt}
+    return {
+        "seconds": dt,
+        "output_tok_s": gen / dt,
+        "total_tok_s": (gen + inp) / dt,
+        "req_s": len(prompts) / dt,
+    }
 
 
 def prefill_rate(engine, tok, n, length) -> float:
@@ -112,16 +128,18 @@ def prefill_rate(engine, tok, n, length) -> float:
 
 def overlap_workloads(tok, scale: float) -> dict[str, tuple[list[list[int]], int]]:
     """Decode-heavy batches (where per-step host work matters most) and a prefill-heavy mix."""
-    n = lambda k: max(2, int(k * scale))  # noqa: E731
-    return {"decode_b16": (random_workload(tok, n(16), 32, seed=3), 96),
-            "decode_b64": (random_workload(tok, n(64), 32, seed=4), 48),
-            "mixed": (random_workload(tok, n(32), 256, seed=5), 32)}
+    n = lambda k: max(2, int(k * scale))
+    return {
+        "decode_b16": (random_workload(tok, n(16), 32, seed=3), 96),
+        "decode_b64": (random_workload(tok, n(64), 32, seed=4), 48),
+        "mixed": (random_workload(tok, n(32), 256, seed=5), 32),
+    }
 
 
 def bench_overlap(args) -> dict[str, Any]:
     """Each mode in turn on an engine of its own, `--repeats` rounds alternating the modes. One
     engine at a time: two engines in one process each keep an OpenMP team, which throttles both
-    (see kernels/cpu_runtime.py), so side-by-side engines would measure that instead."""
+    (see workers/executor/cpu_runtime.py), so side-by-side engines would measure that instead."""
     from radixserve.workers import Engine
 
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
@@ -131,9 +149,13 @@ def bench_overlap(args) -> dict[str, Any]:
     steps: dict[bool, dict[str, Any]] = {}
     workloads = None
     for k in range(args.repeats):
-        for m in (modes if k % 2 == 0 else modes[::-1]):
-            engine = Engine(args.model_path, max_total_tokens=args.max_total_tokens,
-                            max_running_requests=64, enable_overlap=m)
+        for m in modes if k % 2 == 0 else modes[::-1]:
+            engine = Engine(
+                args.model_path,
+                max_total_tokens=args.max_total_tokens,
+                max_running_requests=64,
+                enable_overlap=m,
+            )
             workloads = workloads or overlap_workloads(engine.tokenizer, args.scale)
             for name, (prompts, out_len) in workloads.items():
                 run_engine(engine, prompts[:2], 4)  # warm-up
@@ -143,12 +165,20 @@ def bench_overlap(args) -> dict[str, Any]:
             engine.shutdown()
     for name, by_mode in rates.items():
         prompts, out_len = workloads[name]
-        row = {label[m]: {"best_output_tok_s": max(v), "median_output_tok_s": sorted(v)[len(v) // 2],
-                          "runs": v, "host_hidden_fraction": steps[m]["step_host_hidden_fraction"]}
-               for m, v in by_mode.items()}
+        row = {
+            label[m]: {
+                "best_output_tok_s": max(v),
+                "median_output_tok_s": sorted(v)[len(v) // 2],
+                "runs": v,
+                "host_hidden_fraction": steps[m]["step_host_hidden_fraction"],
+            }
+            for m, v in by_mode.items()
+        }
         res[name] = row
-        cells = "  ".join(f"{label[m]}: best {max(v):7.1f} median {sorted(v)[len(v) // 2]:7.1f} tok/s"
-                          for m, v in by_mode.items())
+        cells = "  ".join(
+            f"{label[m]}: best {max(v):7.1f} median {sorted(v)[len(v) // 2]:7.1f} tok/s"
+            for m, v in by_mode.items()
+        )
         extra = ""
         if len(modes) == 2:
             ratio = max(by_mode[True]) / max(by_mode[False])
@@ -156,9 +186,12 @@ def bench_overlap(args) -> dict[str, Any]:
             extra = f"  on/off {ratio:.3f}x"
         print(f"{name:>11} ({len(prompts)} reqs x {out_len} out): {cells}{extra}", flush=True)
     for m, stats in steps.items():
-        print(f"{label[m]}: decode forward {stats.get('decode_forward_ms_avg')} ms, "
-              f"schedule {stats.get('decode_schedule_ms_avg')} ms, text {stats.get('decode_text_ms_avg')} "
-              f"ms, hidden {stats.get('decode_hidden_ms_avg')} ms per decode step", flush=True)
+        print(
+            f"{label[m]}: decode forward {stats.get('decode_forward_ms_avg')} ms, "
+            f"schedule {stats.get('decode_schedule_ms_avg')} ms, text {stats.get('decode_text_ms_avg')} "
+            f"ms, hidden {stats.get('decode_hidden_ms_avg')} ms per decode step",
+            flush=True,
+        )
     return res
 
 
@@ -177,8 +210,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--max-total-tokens", type=int, default=200_000)
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--overlap", choices=("on", "off", "both"),
-                    help="only compare the engine with overlap mode on / off / both")
+    ap.add_argument(
+        "--overlap",
+        choices=("on", "off", "both"),
+        help="only compare the engine with overlap mode on / off / both",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode and workload (--overlap)")
     args = ap.parse_args(argv)
     if args.overlap:
@@ -201,14 +237,20 @@ def main(argv=None) -> int:
     res["gemm_peak_gflops"] = on_short_lived_thread(gemm_peak, dtype) / 1e9
     print(f"bf16 GEMM peak: {res['gemm_peak_gflops']:.1f} GFLOP/s ({dtype})", flush=True)
 
-    nonembed = sum(p.numel() for n, p in engine.core.runner.model.named_parameters()
-                   if "embed" not in n and "lm_head" not in n)
+    nonembed = sum(
+        p.numel()
+        for n, p in engine.core.runner.model.named_parameters()
+        if "embed" not in n and "lm_head" not in n
+    )
     rate = prefill_rate(engine, tok, max(4, int(16 * args.scale)), 512)
     res["prefill_tok_s"] = rate
     res["prefill_gflops"] = 2 * nonembed * rate / 1e9
     res["prefill_fraction_of_peak"] = res["prefill_gflops"] / res["gemm_peak_gflops"]
-    print(f"prefill: {rate:.0f} tok/s = {res['prefill_gflops']:.1f} GFLOP/s "
-          f"= {100 * res['prefill_fraction_of_peak']:.1f}% of peak", flush=True)
+    print(
+        f"prefill: {rate:.0f} tok/s = {res['prefill_gflops']:.1f} GFLOP/s "
+        f"= {100 * res['prefill_fraction_of_peak']:.1f}% of peak",
+        flush=True,
+    )
 
     res["engine_shared"] = run_engine(engine, shared, args.output_len)
     print("engine shared-prefix:", res["engine_shared"], flush=True)
@@ -220,8 +262,12 @@ def main(argv=None) -> int:
     model_dir = engine.core.model_path
     engine.shutdown()
 
-    off = Engine(args.model_path, max_total_tokens=args.max_total_tokens, max_running_requests=64,
-                 disable_radix_cache=True)
+    off = Engine(
+        args.model_path,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=64,
+        disable_radix_cache=True,
+    )
     res["nocache_shared"] = run_engine(off, shared, args.output_len)
     print("no-cache shared-prefix:", res["nocache_shared"], flush=True)
     res["nocache_random"] = run_engine(off, unrelated, args.output_len)
@@ -230,6 +276,7 @@ def main(argv=None) -> int:
 
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
+
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         res["hf_shared"] = run_hf(hf, shared, args.output_len, args.hf_batch)
         print("HF shared-prefix:", res["hf_shared"], flush=True)
@@ -239,18 +286,22 @@ def main(argv=None) -> int:
         print("HF decode b16:", res["hf_decode_b16"], flush=True)
 
     ratios = {
-        "shared_prefix_vs_no_cache": res["engine_shared"]["total_tok_s"] / res["nocache_shared"]["total_tok_s"],
+        "shared_prefix_vs_no_cache": res["engine_shared"]["total_tok_s"]
+        / res["nocache_shared"]["total_tok_s"],
         "random_vs_no_cache": res["engine_random"]["total_tok_s"] / res["nocache_random"]["total_tok_s"],
     }
     if not args.skip_hf:
         ratios["shared_prefix_vs_hf"] = res["engine_shared"]["total_tok_s"] / res["hf_shared"]["total_tok_s"]
         ratios["random_vs_hf"] = res["engine_random"]["total_tok_s"] / res["hf_random"]["total_tok_s"]
-        ratios["decode_b16_vs_hf"] = (res["engine_decode_b16"]["output_tok_s"]
-                                      / res["hf_decode_b16"]["output_tok_s"])
+        ratios["decode_b16_vs_hf"] = (
+            res["engine_decode_b16"]["output_tok_s"] / res["hf_decode_b16"]["output_tok_s"]
+        )
     res["ratios"] = ratios
     print("\n== summary ==")
-    print(f"GEMM peak {res['gemm_peak_gflops']:.1f} GFLOP/s; prefill {res['prefill_tok_s']:.0f} tok/s "
-          f"= {100 * res['prefill_fraction_of_peak']:.1f}% of peak")
+    print(
+        f"GEMM peak {res['gemm_peak_gflops']:.1f} GFLOP/s; prefill {res['prefill_tok_s']:.0f} tok/s "
+        f"= {100 * res['prefill_fraction_of_peak']:.1f}% of peak"
+    )
     for k, v in ratios.items():
         print(f"{k:>28}: {v:.2f}x")
     if args.json:

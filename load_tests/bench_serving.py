@@ -1,6 +1,6 @@
 """Online serving benchmark for any OpenAI-compatible server (SGLang's bench_serving in spirit).
 
-    python load_tests/bench_serving.py --base-url http://127.0.0.1:30000 \
+    python -m load_tests.bench_serving --base-url http://127.0.0.1:30000 \
         --dataset generated-shared-prefix --max-concurrency 16
     # side by side, one run:  --base-url radixserve=http://127.0.0.1:30000 --base-url hf=http://127.0.0.1:8000
 
@@ -15,15 +15,13 @@ import asyncio
 import json
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import aiohttp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_datasets import Conversation, build  # noqa: E402
+from load_tests.bench_datasets import Conversation, build
 
 
 @dataclass
@@ -39,7 +37,7 @@ class Result:
     text: str = ""
 
 
-def parse_sse_line(line: str) -> Optional[Any]:
+def parse_sse_line(line: str) -> Any | None:
     """The JSON payload of one SSE `data:` line; "[DONE]" for the end; None for other lines."""
     if not line.startswith("data:"):
         return None
@@ -47,10 +45,23 @@ def parse_sse_line(line: str) -> Optional[Any]:
     return data if data == "[DONE]" else json.loads(data)
 
 
-async def send(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
-               max_tokens: int, extra: dict[str, Any]) -> Result:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, **extra}
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    extra: dict[str, Any],
+) -> Result:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     res, start = Result(), time.perf_counter()
     last = start
     chunks = 0
@@ -142,9 +153,13 @@ def summarize(results: list[Result], duration: float, model: str) -> dict[str, A
     cached = sum(r.cached_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     return {
-        "model": model, "completed": len(ok), "failed": len(results) - len(ok),
+        "model": model,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration, "total_input_tokens": prompt, "total_output_tokens": output,
+        "duration_s": duration,
+        "total_input_tokens": prompt,
+        "total_output_tokens": output,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "input_throughput": prompt / duration if duration else 0.0,
         "output_throughput": output / duration if duration else 0.0,
@@ -158,34 +173,39 @@ def summarize(results: list[Result], duration: float, model: str) -> dict[str, A
 
 def print_table(reports: dict[str, dict[str, Any]]) -> None:
     names = list(reports)
-    rows = [("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
-            ("duration (s)", "duration_s", "{:.2f}"),
-            ("request throughput (req/s)", "request_throughput", "{:.2f}"),
-            ("input throughput (tok/s)", "input_throughput", "{:.1f}"),
-            ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
-            ("cache hit rate", "cache_hit_rate", "{:.1%}")]
+    rows = [
+        ("completed", "completed", "{:.0f}"),
+        ("failed", "failed", "{:.0f}"),
+        ("duration (s)", "duration_s", "{:.2f}"),
+        ("request throughput (req/s)", "request_throughput", "{:.2f}"),
+        ("input throughput (tok/s)", "input_throughput", "{:.1f}"),
+        ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
+        ("cache hit rate", "cache_hit_rate", "{:.1%}"),
+    ]
     for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         for stat in ("mean", "median", "p99"):
             rows.append((f"{metric[:-3].upper()} {stat} (ms)", (metric, stat), "{:.1f}"))
     width = max(len(r[0]) for r in rows) + 2
     print("".ljust(width) + "".join(n.rjust(16) for n in names))
     for label, key, fmt in rows:
-        vals = [reports[n][key[0]][key[1]] if isinstance(key, tuple) else reports[n][key]
-                for n in names]
+        vals = [reports[n][key[0]][key[1]] if isinstance(key, tuple) else reports[n][key] for n in names]
         print(label.ljust(width) + "".join(fmt.format(v).rjust(16) for v in vals))
     for n in names:
         for e in reports[n]["errors"]:
             print(f"[{n}] error: {e}")
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", action="append", required=True,
-                   help="server root (repeat, optionally name=url, to compare side by side)")
+    p.add_argument(
+        "--base-url",
+        action="append",
+        required=True,
+        help="server root (repeat, optionally name=url, to compare side by side)",
+    )
     p.add_argument("--model", help="model name (default: the server's first)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--dataset", default="random",
-                   choices=["random", "generated-shared-prefix", "multi-turn"])
+    p.add_argument("--dataset", default="random", choices=["random", "generated-shared-prefix", "multi-turn"])
     p.add_argument("--num-prompts", type=int, default=64, help="random prompts / conversations")
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
@@ -198,18 +218,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--multi-turn-turns", type=int, default=4)
     p.add_argument("--multi-turn-input-len", type=int, default=64)
     p.add_argument("--multi-turn-output-len", type=int, default=32)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="conversations started per second (Poisson); inf = all at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="conversations started per second (Poisson); inf = all at once",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="send ignore_eos (an SGLang/vLLM/RadixServe extension) for exact lengths")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos (an SGLang/vLLM/RadixServe extension) for exact lengths",
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-file", help="write the reports as JSON here")
     return p.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parse_args(argv)
     convs = build(args)
     reports = {}
@@ -220,8 +247,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
     print_table(reports)
     if args.output_file:
         with open(args.output_file, "w") as f:
-            json.dump({"args": vars(args) | {"request_rate": str(args.request_rate)},
-                       "reports": reports}, f, indent=2)
+            json.dump(
+                {"args": vars(args) | {"request_rate": str(args.request_rate)}, "reports": reports},
+                f,
+                indent=2,
+            )
     return reports
 
 

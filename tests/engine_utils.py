@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from radixserve.workers.engine.radix_cache import kv_invariant_ok
+from radixserve.workers.mem_cache.prefix_cache import kv_invariant_ok
 
 
 def wait_idle(engine, timeout: float = 30.0) -> None:
@@ -38,7 +38,12 @@ def hf_greedy(model_dir: str, prompts_ids: list[list[int]], max_new_tokens: int)
     outs = []
     with torch.inference_mode():
         for ids in prompts_ids:
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 min_new_tokens=max_new_tokens, pad_token_id=0)
-            outs.append(gen[0, len(ids):].tolist())
+            gen = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(ids) :].tolist())
     return outs

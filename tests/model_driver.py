@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.workers.engine.forward_batch import ForwardBatch, ForwardMode
-from radixserve.workers.engine.kv_pool import KVPool
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
 
 
-def make_batch(mode: ForwardMode, new_tokens: list[list[int]], prefix_lens: list[int],
-               slots: list[list[int]]) -> ForwardBatch:
+def make_batch(
+    mode: ForwardMode, new_tokens: list[list[int]], prefix_lens: list[int], slots: list[list[int]]
+) -> ForwardBatch:
     """One batch: sequence i has `prefix_lens[i]` cached tokens and `new_tokens[i]` to run.
 
     `slots[i]` are the KV slots of all of sequence i's positions (prefix + new). Padding entries of
@@ -45,9 +46,13 @@ def make_batch(mode: ForwardMode, new_tokens: list[list[int]], prefix_lens: list
 class ModelDriver:
     def __init__(self, model, config, num_slots: int = 4096):
         self.model = model
-        self.pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, num_slots, dtype=config.dtype)
+        self.pool = KVPool(
+            config.num_layers, config.num_kv_heads, config.head_dim, num_slots, dtype=config.dtype
+        )
 
-    def greedy(self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None) -> list[list[int]]:
+    def greedy(
+        self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None
+    ) -> list[list[int]]:
         """Greedy continuation of every prompt, all sequences batched together.
 
         Prefill runs all prompts in one EXTEND batch, or with `chunk`, in rounds of at most
@@ -60,7 +65,9 @@ class ModelDriver:
             step = chunk or max(len(p) for p in prompts)
             active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
             pieces = [prompts[i][done[i] : done[i] + step] for i in active]
-            batch = make_batch(ForwardMode.EXTEND, pieces, [done[i] for i in active], [slots[i] for i in active])
+            batch = make_batch(
+                ForwardMode.EXTEND, pieces, [done[i] for i in active], [slots[i] for i in active]
+            )
             out = self.model(batch, self.pool)
             for row, i in enumerate(active):
                 done[i] += len(pieces[row])

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.model_driver import make_batch
 from radixserve.kernels import cpu_ops
-from radixserve.kernels.attention import CpuBackend, TorchReferenceBackend, get_backend
-from radixserve.workers.engine.forward_batch import ForwardMode
-from radixserve.workers.engine.kv_pool import KVPool
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.models.attention import CpuBackend, TorchReferenceBackend, get_backend
+from radixserve.workers.models.forward_batch import ForwardMode
+from tests.model_driver import make_batch
 
 torch.set_num_threads(1)
 
@@ -69,7 +69,9 @@ def test_cpu_backend_matches_reference(case, heads, kv_heads, head_dim, dtype, o
         monkeypatch.setattr(cpu_ops, "native_ops", lambda: None)
     mode, prefix_lens, extend_lens = CASES[case]
     ours, *_ = _run(CpuBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim)
-    ref, *_ = _run(TorchReferenceBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim)
+    ref, *_ = _run(
+        TorchReferenceBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim
+    )
     assert ours.shape == ref.shape == (sum(extend_lens), heads, head_dim)
     assert ours.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -86,7 +88,9 @@ def test_new_kv_written_to_out_slots_of_the_layer(backend):
 def test_reference_equals_dense_causal_attention():
     """A prefix-free sequence attends exactly like SDPA with is_causal and repeated kv heads."""
     heads, kv_heads, n = 6, 2, 11
-    out, _, _, (q, k, v) = _run(TorchReferenceBackend(), ForwardMode.EXTEND, [0], [n], heads, kv_heads, torch.float32)
+    out, _, _, (q, k, v) = _run(
+        TorchReferenceBackend(), ForwardMode.EXTEND, [0], [n], heads, kv_heads, torch.float32
+    )
     expected = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
@@ -98,7 +102,9 @@ def test_reference_equals_dense_causal_attention():
 
 def test_reference_decode_is_softmax_over_the_whole_sequence():
     heads, kv_heads, prefix = 2, 1, 9
-    out, pool, batch, (q, _, _) = _run(TorchReferenceBackend(), ForwardMode.DECODE, [prefix], [1], heads, kv_heads, torch.float32)
+    out, pool, batch, (q, _, _) = _run(
+        TorchReferenceBackend(), ForwardMode.DECODE, [prefix], [1], heads, kv_heads, torch.float32
+    )
     slots = batch.kv_indices[0, : prefix + 1]
     keys, values = pool.k_buffers[1][slots][:, 0], pool.v_buffers[1][slots][:, 0]
     for h in range(heads):

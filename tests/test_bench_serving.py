@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "load_tests"))
-import bench_datasets  # noqa: E402
-import bench_serving  # noqa: E402
+from load_tests import bench_datasets, bench_serving
 
 
 def test_shared_prefix_groups_share_exactly_their_system_prompt():
@@ -45,10 +40,19 @@ def test_percentiles_interpolate_and_report_ms():
 
 def test_summary_counts_usage_and_cache_hit_rate():
     R = bench_serving.Result
-    rs = [R(ok=True, prompt_tokens=100, completion_tokens=5, cached_tokens=80, ttft=0.1, e2e=0.5,
-            itl=[0.1] * 4),
-          R(ok=True, prompt_tokens=100, completion_tokens=1, cached_tokens=0, ttft=0.2, e2e=0.2),
-          R(ok=False, error="HTTP 503: busy")]
+    rs = [
+        R(
+            ok=True,
+            prompt_tokens=100,
+            completion_tokens=5,
+            cached_tokens=80,
+            ttft=0.1,
+            e2e=0.5,
+            itl=[0.1] * 4,
+        ),
+        R(ok=True, prompt_tokens=100, completion_tokens=1, cached_tokens=0, ttft=0.2, e2e=0.2),
+        R(ok=False, error="HTTP 503: busy"),
+    ]
     s = bench_serving.summarize(rs, 2.0, "m")
     assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 503: busy"])
     assert (s["input_throughput"], s["output_throughput"], s["request_throughput"]) == (100, 3, 1)

@@ -99,7 +99,9 @@ def test_decode_attention(dtype, head_dim, heads, kv_heads, impl):
     else:
         ours = cpu_ops.decode_attention_torch(q, k_buf, v_buf, kv_indices, seq_lens)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(ours.float(), _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens), atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        ours.float(), _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens), atol=tol, rtol=tol
+    )
 
 
 @needs_native
@@ -123,8 +125,15 @@ def test_kernels_release_the_gil():
     try:
         for _ in range(3):
             before = ticks[0]  # read while this thread holds the GIL
-            native.extend_attention(q, k_buf, k_buf, torch.arange(1, n + 1).view(1, -1), torch.tensor([n]),
-                                    torch.tensor([0, n]), 0.125)
+            native.extend_attention(
+                q,
+                k_buf,
+                k_buf,
+                torch.arange(1, n + 1).view(1, -1),
+                torch.tensor([n]),
+                torch.tensor([0, n]),
+                0.125,
+            )
             during.append(ticks[0] - before)
     finally:
         stop[0] = True
@@ -132,7 +141,9 @@ def test_kernels_release_the_gil():
     assert max(during) > 1000
 
 
-needs_gemm = pytest.mark.skipif(not cpu_ops.gemm_available(torch.bfloat16), reason="no AVX512-BF16 packed GEMM here")
+needs_gemm = pytest.mark.skipif(
+    not cpu_ops.gemm_available(torch.bfloat16), reason="no AVX512-BF16 packed GEMM here"
+)
 
 
 def test_pack_linear_weight_round_trips_and_pads_to_whole_strips():
@@ -148,8 +159,9 @@ def test_pack_linear_weight_round_trips_and_pads_to_whole_strips():
 
 
 @needs_gemm
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 37), (16, 1536, 576), (17, 96, 48), (300, 128, 50),
-                                   (0, 64, 16)])
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 576, 960), (3, 64, 37), (16, 1536, 576), (17, 96, 48), (300, 128, 50), (0, 64, 16)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_float32_math_rounded_once(m, k, n, with_bias):
     gen = torch.Generator().manual_seed(m * 1000 + n)

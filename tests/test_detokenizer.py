@@ -41,7 +41,7 @@ def stream(tok, prompt, ids, chunk=1, **kwargs):
     detok = IncrementalDetokenizer(tok, prompt, **kwargs)
     deltas, matches = [], []
     for i in range(0, len(ids), chunk):
-        delta, match = detok.add(ids[i:i + chunk])
+        delta, match = detok.add(ids[i : i + chunk])
         deltas.append(delta)
         matches.append(match)
     deltas.append(detok.flush())
@@ -49,7 +49,12 @@ def stream(tok, prompt, ids, chunk=1, **kwargs):
     return deltas, matches
 
 
-MULTIBYTE = [" 你好世界，今天天气很好。", "Party 🎉🚀 time 😀😃", "Ελληνικά и русский ☃ ∑∫", "한국어 텍스트 ✓"]
+MULTIBYTE = [
+    " 你好世界，今天天气很好。",
+    "Party 🎉🚀 time 😀😃",
+    "Ελληνικά и русский ☃ ∑∫",
+    "한국어 텍스트 ✓",
+]
 
 
 @pytest.mark.parametrize("text", MULTIBYTE)
@@ -118,7 +123,7 @@ def test_stop_string_spanning_tokens(tok, prompt):
     ids, matches = check_stop(tok, prompt, text, ("two, my fr",), "The answer is forty-", "two, my fr")
     # The match is reported on the token that completes it, not earlier.
     at = matches.index("two, my fr")
-    assert "two, my fr" not in tok.decode(ids[:at]) and "two, my fr" in tok.decode(ids[:at + 1])
+    assert "two, my fr" not in tok.decode(ids[:at]) and "two, my fr" in tok.decode(ids[: at + 1])
     assert len(tok.decode(ids[at]).strip()) < len("two, my fr")  # it really spans tokens
 
 

@@ -98,18 +98,19 @@ def test_stop_strings_and_stop_token_ids(engine):
     text = base["text"]
     assert "6" in text
     out = engine.generate("1, 2, 3, 4,", {"max_new_tokens": 12, "temperature": 0, "stop": ["6"]})
-    assert out["text"] == text[:text.index("6")]
+    assert out["text"] == text[: text.index("6")]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "6"}
     tok = base["output_ids"][2]
-    out = engine.generate("1, 2, 3, 4,", {"max_new_tokens": 12, "temperature": 0,
-                                          "stop_token_ids": [tok]})
+    out = engine.generate("1, 2, 3, 4,", {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [tok]})
     assert out["output_ids"] == base["output_ids"][:3]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
 
 
 def test_logprobs(engine):
-    out = engine.generate("The capital of France is",
-                          {"max_new_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    out = engine.generate(
+        "The capital of France is",
+        {"max_new_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+    )
     lps = out["meta_info"]["output_token_logprobs"]
     tops = out["meta_info"]["output_top_logprobs"]
     assert [t for _, t in lps] == out["output_ids"]
@@ -120,8 +121,9 @@ def test_logprobs(engine):
 def test_streaming_deltas_concatenate(engine):
     async def run():
         chunks = []
-        async for c in await engine.async_generate("Write a haiku about the sea.",
-                                                   {"max_new_tokens": 12, "temperature": 0}, stream=True):
+        async for c in await engine.async_generate(
+            "Write a haiku about the sea.", {"max_new_tokens": 12, "temperature": 0}, stream=True
+        ):
             chunks.append(c)
         return chunks
 
@@ -145,9 +147,11 @@ def test_invalid_requests_are_refused(engine):
 
 def test_abort_queued_and_running_frees_kv(engine):
     async def run():
-        long = GenerateRequest(engine.tokenizer.encode("Tell me a long story."),
-                               SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True),
-                               stream=True)
+        long = GenerateRequest(
+            engine.tokenizer.encode("Tell me a long story."),
+            SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True),
+            stream=True,
+        )
         s = engine.submit(long)
         first = await s.__anext__()  # running
         assert not first.finished

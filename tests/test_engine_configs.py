@@ -6,8 +6,14 @@ from radixserve.workers import Engine
 from tests.engine_utils import assert_kv_invariant
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence. " * 6
-QUESTIONS = ["What is the capital of Italy?", "Name a fruit.", "What is 3 times 3?",
-             "Who wrote Hamlet?", "What colour is the sky?", "Say hello in French."]
+QUESTIONS = [
+    "What is the capital of Italy?",
+    "Name a fruit.",
+    "What is 3 times 3?",
+    "Who wrote Hamlet?",
+    "What colour is the sky?",
+    "Say hello in French.",
+]
 PARAMS = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
@@ -37,12 +43,16 @@ def test_radix_cache_reuses_prefix_with_identical_output(baseline):
     assert stats["computed_tokens_total"] < baseline[2]["computed_tokens_total"] / 2
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(chunked_prefill_size=16),
-    dict(chunked_prefill_size=48, page_size=4),
-    dict(chunked_prefill_size=32, schedule_policy="fcfs"),
-    dict(chunked_prefill_size=64, schedule_policy="dfs-weight"),
-], ids=["chunk16", "chunk48-page4", "fcfs", "dfs-weight"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(chunked_prefill_size=16),
+        dict(chunked_prefill_size=48, page_size=4),
+        dict(chunked_prefill_size=32, schedule_policy="fcfs"),
+        dict(chunked_prefill_size=64, schedule_policy="dfs-weight"),
+    ],
+    ids=["chunk16", "chunk48-page4", "fcfs", "dfs-weight"],
+)
 def test_chunking_pages_and_policies_keep_output(baseline, kwargs):
     outs, _, _ = run(max_total_tokens=16384, **kwargs)
     assert outs == baseline[0]
@@ -63,14 +73,19 @@ def test_tiny_checkpoints_match_hf_through_the_engine(tmp_path, arch):
     path = make_tiny_checkpoint(tmp_path, arch=arch)
     engine = Engine(path, dtype="float32", max_total_tokens=2048, chunked_prefill_size=8)
     try:
-        prompts = [engine.tokenizer.encode(p) for p in ("Hello there, how are", "1 2 3 4 5 6 7 8 9",
-                                                         "Hello there, friend")]
+        prompts = [
+            engine.tokenizer.encode(p)
+            for p in ("Hello there, how are", "1 2 3 4 5 6 7 8 9", "Hello there, friend")
+        ]
         expected = hf_greedy(path, prompts, 10)
         params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
-        assert [engine.generate(input_ids=p, sampling_params=params)["output_ids"]
-                for p in prompts] == expected
+        assert [
+            engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts
+        ] == expected
         engine.flush_cache()
-        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == expected
+        assert [
+            o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)
+        ] == expected
         assert_kv_invariant(engine)
     finally:
         engine.shutdown()

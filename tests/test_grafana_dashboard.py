@@ -1,7 +1,7 @@
 """deploy/grafana: the dashboard is well formed, and every series and label its PromQL queries is
-one the server really exposes: a real `Metrics` (router/metrics.py) fed real `ReplicaStats` and a
+one the server really exposes: a real `Metrics` (router/frontend/metrics.py) fed real `ReplicaStats` and a
 real `RoutingState` snapshot, rendered as /metrics renders it. Renaming a metric or a label in
-router/metrics.py without updating the dashboard fails here. No Ray."""
+router/frontend/metrics.py without updating the dashboard fails here. No Ray."""
 
 import json
 import re
@@ -11,9 +11,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.router.metrics import PREFIX, Metrics
-from radixserve.router.policy import PolicyConfig
-from radixserve.router.routing_state import RoutingState
+from radixserve.router.frontend.metrics import PREFIX, Metrics
+from radixserve.router.routing.policy import PolicyConfig
+from radixserve.router.routing.routing_state import RoutingState
 from radixserve.workers.protocol import ReplicaStats
 
 GRAFANA = Path(__file__).resolve().parent.parent / "deploy" / "grafana"
@@ -33,13 +33,26 @@ def dashboard() -> dict:
 def exposed() -> dict[str, set[str]]:
     """Sample name (with _bucket / _sum / _count / _total) -> its label names, from /metrics."""
     metrics = Metrics("smollm2")
-    metrics.set_replicas([
-        ReplicaStats(replica_id="r1", running=2, queued=1, kv_total=4096, kv_free=1000,
-                     kv_evictable=500, kv_protected=64, prompt_tokens_total=900,
-                     cached_tokens_total=600, computed_tokens_total=300,
-                     generation_tokens_total=120, num_requests_total=3, num_aborted_total=1),
-        ReplicaStats(replica_id="r2", kv_total=4096, kv_free=4096),
-    ])
+    metrics.set_replicas(
+        [
+            ReplicaStats(
+                replica_id="r1",
+                running=2,
+                queued=1,
+                kv_total=4096,
+                kv_free=1000,
+                kv_evictable=500,
+                kv_protected=64,
+                prompt_tokens_total=900,
+                cached_tokens_total=600,
+                computed_tokens_total=300,
+                generation_tokens_total=120,
+                num_requests_total=3,
+                num_aborted_total=1,
+            ),
+            ReplicaStats(replica_id="r2", kv_total=4096, kv_free=4096),
+        ]
+    )
     state = RoutingState(PolicyConfig())
     state.set_replicas(["r1", "r2"])
     state.route("req-1", list(range(100, 140)), ["r1", "r2"])
@@ -94,16 +107,16 @@ def test_a_renamed_metric_or_label_is_caught(dashboard, exposed):
     renamed = [q.replace("radixserve:num_queue_reqs", "radixserve:num_queued_reqs") for q in queries]
     assert any("radixserve:num_queued_reqs (in" in p for p in unknown_series(renamed, exposed))
     relabeled = [q.replace('replica=~"$replica"', 'instance_replica=~"$replica"') for q in queries]
-    assert "radixserve:num_running_reqs has no label 'instance_replica'" in unknown_series(
-        relabeled, exposed)
+    assert "radixserve:num_running_reqs has no label 'instance_replica'" in unknown_series(relabeled, exposed)
     # router counters carry `policy`, not `replica`
     bad_group = ["sum by (replica) (rate(radixserve:router_prefix_hits_total[1m]))"]
     assert unknown_series(bad_group, exposed) == [
-        "grouping by 'replica': radixserve:router_prefix_hits_total has no such label"]
+        "grouping by 'replica': radixserve:router_prefix_hits_total has no such label"
+    ]
 
 
 def test_every_exposed_metric_has_a_panel(dashboard, exposed):
-    """A metric added to router/metrics.py needs a panel in deploy/grafana/radixserve.json."""
+    """A metric added to router/frontend/metrics.py needs a panel in deploy/grafana/radixserve.json."""
     used = {n for q in exprs(dashboard) for n, _ in SELECTOR.findall(q)}
     used_families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in used}
     families = {re.sub(r"_(bucket|sum|count|created)$", "", n) for n in exposed}
@@ -112,10 +125,19 @@ def test_every_exposed_metric_has_a_panel(dashboard, exposed):
 
 
 def test_latency_histograms_have_p50_p90_p99(dashboard):
-    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds", "queue_time_seconds"):
-        quantiles = {float(q) for e in exprs(dashboard) for q in re.findall(
-            rf"histogram_quantile\(([0-9.]+), sum by \(le\) \(rate\({PREFIX}{hist}_bucket\{{", e)}
+    for hist in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "queue_time_seconds",
+    ):
+        quantiles = {
+            float(q)
+            for e in exprs(dashboard)
+            for q in re.findall(
+                rf"histogram_quantile\(([0-9.]+), sum by \(le\) \(rate\({PREFIX}{hist}_bucket\{{", e
+            )
+        }
         assert quantiles == {0.5, 0.9, 0.99}, hist
     for e in exprs(dashboard):  # buckets are only meaningful inside histogram_quantile
         assert ("_bucket" in e) == e.startswith("histogram_quantile("), e
@@ -146,13 +168,12 @@ def test_dashboard_structure(dashboard):
 def test_template_variables(dashboard, exposed):
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert set(variables) == {"datasource", "model_name", "replica"}
-    assert (variables["datasource"]["type"], variables["datasource"]["query"]) == (
-        "datasource", "prometheus")
+    assert (variables["datasource"]["type"], variables["datasource"]["query"]) == ("datasource", "prometheus")
     assert variables["replica"]["multi"] and variables["replica"]["includeAll"]
     for name in ("model_name", "replica"):
         var = variables[name]
         assert var["type"] == "query" and var["datasource"] == DS_REF
-        (metric, label), = LABEL_VALUES.findall(var["query"]["query"])
+        ((metric, label),) = LABEL_VALUES.findall(var["query"]["query"])
         assert label == name and name in exposed[metric]
         assert unknown_series([var["query"]["query"]], exposed) == []
     used = {v for e in exprs(dashboard) for v in re.findall(r"\$(\w+)", e)}
@@ -163,10 +184,8 @@ def test_provisioning_points_at_prometheus_and_the_dashboard_folder():
     prov = GRAFANA / "provisioning"
     (ds,) = yaml.safe_load((prov / "datasources" / "radixserve.yaml").read_text())["datasources"]
     assert (ds["type"], ds["url"], ds["access"]) == ("prometheus", "http://localhost:9090", "proxy")
-    (provider,) = yaml.safe_load(
-        (prov / "dashboards" / "radixserve.yaml").read_text())["providers"]
+    (provider,) = yaml.safe_load((prov / "dashboards" / "radixserve.yaml").read_text())["providers"]
     assert provider["type"] == "file"
     readme = (GRAFANA / "README.md").read_text()
     # the README's docker command mounts deploy/grafana (holding radixserve.json) at that path
     assert f'deploy/grafana:{provider["options"]["path"]}:ro"' in readme
-

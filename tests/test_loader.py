@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.workers.models import load_model
 from radixserve.workers.models.gguf_convert import unpermute_rotary_rows
-from radixserve.workers.models.loader import default_gguf_path, resolve_dtype, resolve_model_dir
+from radixserve.workers.models.loader import default_gguf_path, load_model, resolve_dtype, resolve_model_dir
 from tests.model_driver import ModelDriver
 from tests.tiny_models import make_tiny_checkpoint, make_tiny_gguf
 
@@ -27,7 +26,9 @@ def _logits(loaded) -> torch.Tensor:
 
 def test_hub_id_fails_fast_without_contacting_a_hub():
     start = time.monotonic()
-    with pytest.raises(FileNotFoundError, match="'meta-llama/Llama-3-8B' is not a local path.*never contacts a model hub"):
+    with pytest.raises(
+        FileNotFoundError, match="'meta-llama/Llama-3-8B' is not a local path.*never contacts a model hub"
+    ):
         load_model("meta-llama/Llama-3-8B")
     assert time.monotonic() - start < 2.0
 
@@ -81,9 +82,12 @@ def test_gguf_file_converts_once_and_matches_the_hf_checkpoint(tmp_path, monkeyp
     assert from_gguf.name == "tiny-llama-0"
     assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no temp dirs left
     # Permuted q/k rows, tensor names and metadata all have to be right for exact equality.
-    torch.testing.assert_close(_logits(from_gguf), _logits(load_model(hf_dir, dtype="float32")), atol=1e-6, rtol=1e-6)
-    assert from_gguf.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).endswith(
-        "<|im_start|>user\nhi<|im_end|>\n")
+    torch.testing.assert_close(
+        _logits(from_gguf), _logits(load_model(hf_dir, dtype="float32")), atol=1e-6, rtol=1e-6
+    )
+    assert from_gguf.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    ).endswith("<|im_start|>user\nhi<|im_end|>\n")
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
     assert load_model(gguf_file, dtype="float32").model_path == str(converted)
     assert (converted / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.model_driver import ModelDriver
-from radixserve.workers.models import load_model
 from radixserve.workers.models.config import RopeConfig
 from radixserve.workers.models.layers import rope_inv_freq
+from radixserve.workers.models.loader import load_model
+from tests.model_driver import ModelDriver
 from tests.tiny_models import LLAMA3_ROPE_SCALING, make_tiny_checkpoint
 
 torch.set_num_threads(1)  # the machine is shared; one thread is the most predictable
@@ -50,7 +50,11 @@ def default_fp32():
 def default_case(default_fp32):
     tok = default_fp32.tokenizer
     prompts = [
-        list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
         for q in QUESTIONS
     ]
     hf = load_hf(default_fp32.model_path)
@@ -61,7 +65,13 @@ def default_case(default_fp32):
 def test_default_model_config(default_fp32):
     c = default_fp32.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
-        "LlamaForCausalLM", 30, 576, 9, 3, 64)
+        "LlamaForCausalLM",
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
     assert (c.vocab_size, c.tie_word_embeddings, c.eos_token_ids, c.bos_token_id) == (49152, True, (2,), 1)
     assert default_fp32.name == "SmolLM2-135M-Instruct"
     assert default_fp32.tokenizer.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
@@ -143,8 +153,14 @@ def test_torch_fallback_ops_give_the_same_greedy_tokens(tmp_path, monkeypatch):
 
 def test_llama3_rope_scaling_bands():
     base = RopeConfig(theta=10000.0)
-    scaled = RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                        high_freq_factor=4.0, original_max_position_embeddings=64)
+    scaled = RopeConfig(
+        theta=10000.0,
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
     plain, ours = rope_inv_freq(16, base), rope_inv_freq(16, scaled)
     wavelen = 2 * torch.pi / plain
     short, long = wavelen < 64 / 4, wavelen > 64 / 1

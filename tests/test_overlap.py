@@ -55,13 +55,20 @@ def both(engines, prompts, params):
 
 
 def summary(outs):
-    return [(o["text"], o["output_ids"], o["meta_info"]["completion_tokens"],
-             o["meta_info"]["prompt_tokens"], o["meta_info"]["finish_reason"]) for o in outs]
+    return [
+        (
+            o["text"],
+            o["output_ids"],
+            o["meta_info"]["completion_tokens"],
+            o["meta_info"]["prompt_tokens"],
+            o["meta_info"]["finish_reason"],
+        )
+        for o in outs
+    ]
 
 
 def test_greedy_batch_identical(engines):
-    on, off = both(engines, PROMPTS + [LONG], {"max_new_tokens": 16, "temperature": 0,
-                                               "ignore_eos": True})
+    on, off = both(engines, PROMPTS + [LONG], {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
     assert summary(on) == summary(off)
     assert all(o["meta_info"]["completion_tokens"] == 16 for o in on)
     assert on[0]["text"] == engines[0].tokenizer.decode(on[0]["output_ids"])
@@ -71,8 +78,9 @@ def test_stop_strings_drop_the_extra_token(engines):
     on_engine, off_engine = engines
     dropped = [e.stats()["dropped_tokens_total"] for e in engines]
     counted = [generated(e) for e in engines]
-    params = [{"max_new_tokens": 24, "temperature": 0, "stop": s} for s in
-              (["."], ["\n"], ["sea"], ["6"], [" is"])]
+    params = [
+        {"max_new_tokens": 24, "temperature": 0, "stop": s} for s in (["."], ["\n"], ["sea"], ["6"], [" is"])
+    ]
     on, off = both(engines, PROMPTS + [LONG], params)
     assert summary(on) == summary(off)
     assert [o["meta_info"]["finish_reason"]["type"] for o in on].count("stop") >= 3
@@ -118,14 +126,16 @@ def test_n_greater_than_one_identical(engines):
 
 
 def test_constrained_requests_in_the_same_batch(engines):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                               "population": {"type": "integer"}},
-              "required": ["city", "population"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
     params = [
         {"max_new_tokens": 40, "temperature": 0, "regex": r"Answer: [0-9]{1,3}, [0-9]{1,3}\."},
         # Grammar + stop string: jump-forward tokens are checked one at a time.
-        {"max_new_tokens": 40, "temperature": 0, "regex": r"Answer: [0-9]{1,3}, [0-9]{1,3}\.",
-         "stop": [","]},
+        {"max_new_tokens": 40, "temperature": 0, "regex": r"Answer: [0-9]{1,3}, [0-9]{1,3}\.", "stop": [","]},
         {"max_new_tokens": 60, "temperature": 0, "json_schema": json.dumps(schema)},
         {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
     ]
@@ -141,11 +151,16 @@ def test_constrained_requests_in_the_same_batch(engines):
 
 def test_abort_mid_stream(engines):
     async def run(e):
-        req = GenerateRequest(e.tokenizer.encode("Tell me a long story."),
-                              SamplingParams(max_new_tokens=500, temperature=0, ignore_eos=True),
-                              stream=True)
-        other = asyncio.ensure_future(e.async_generate(
-            "The capital of France is", {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}))
+        req = GenerateRequest(
+            e.tokenizer.encode("Tell me a long story."),
+            SamplingParams(max_new_tokens=500, temperature=0, ignore_eos=True),
+            stream=True,
+        )
+        other = asyncio.ensure_future(
+            e.async_generate(
+                "The capital of France is", {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+            )
+        )
         s = e.submit(req)
         chunks = [await s.__anext__() for _ in range(3)]
         assert e.abort(req.rid)
@@ -189,8 +204,9 @@ def test_forward_threads_use_the_configured_thread_count(overlap, thread):
 
     e.core.runner.forward = spy
     try:
-        assert e.generate("Hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"][
-            "completion_tokens"] == 2
+        assert (
+            e.generate("Hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"]["completion_tokens"] == 2
+        )
         assert seen and all(s == (thread, 1) for s in seen)
     finally:
         e.shutdown()

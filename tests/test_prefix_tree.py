@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from radixserve.router.prefix_tree import PrefixTree, common_prefix_len
+from radixserve.router.routing.prefix_tree import PrefixTree, common_prefix_len
 
 
 def seq(start, n):

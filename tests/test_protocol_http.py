@@ -9,17 +9,35 @@ import pytest
 from pydantic import ValidationError
 
 from radixserve.cluster.config import ServerArgs, parse_cli
-from radixserve.router import errors
-from radixserve.router.metrics import Metrics
-from radixserve.router.protocol import (ChatCompletionRequest, CompletionRequest,
-                                        GenerateHTTPRequest, chat_sampling_params,
-                                        completion_sampling_params, native_sampling_params)
-from radixserve.router.responses import (Sequences, chat_logprobs, chat_response,
-                                         completion_logprobs, usage_chunk)
-from radixserve.router.tokenizer import Tokenizer
+from radixserve.router.frontend import errors
+from radixserve.router.frontend.metrics import Metrics
+from radixserve.router.frontend.responses import (
+    Sequences,
+    chat_logprobs,
+    chat_response,
+    completion_logprobs,
+    usage_chunk,
+)
+from radixserve.router.frontend.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateHTTPRequest,
+    chat_sampling_params,
+    completion_sampling_params,
+    native_sampling_params,
+)
+from radixserve.router.frontend.tokenizer import Tokenizer
 from radixserve.workers.models.loader import load_tokenizer, resolve_model_dir
-from radixserve.workers.protocol import (InvalidRequest, ModelCard, OutputChunk, QueueFull,
-                                         ReplicaStats, TokenLogprob, decode_error, encode_error)
+from radixserve.workers.protocol import (
+    InvalidRequest,
+    ModelCard,
+    OutputChunk,
+    QueueFull,
+    ReplicaStats,
+    TokenLogprob,
+    decode_error,
+    encode_error,
+)
 from radixserve.workers.replica import tokenizer_files
 
 CTX, VOCAB = 8192, 49152
@@ -28,18 +46,40 @@ CTX, VOCAB = 8192, 49152
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     model_dir, name = resolve_model_dir(None)
-    card = ModelCard(served_model_name=name, model_path=None, context_length=CTX, vocab_size=VOCAB,
-                     eos_token_ids=[2], tokenizer_files=tokenizer_files(load_tokenizer(model_dir)))
+    card = ModelCard(
+        served_model_name=name,
+        model_path=None,
+        context_length=CTX,
+        vocab_size=VOCAB,
+        eos_token_ids=[2],
+        tokenizer_files=tokenizer_files(load_tokenizer(model_dir)),
+    )
     return Tokenizer(ModelCard.from_dict(json.loads(json.dumps(card.to_dict()))))
 
 
 # Config ----------------------------------------------------------------------------------------
 def test_cli_flags_fill_the_layers():
-    a = parse_cli(["--port", "31000", "--dp", "2", "--max-total-tokens", "4000",
-                   "--disable-radix-cache", "--api-key", "k", "--schedule-policy", "fcfs"])
+    a = parse_cli(
+        [
+            "--port",
+            "31000",
+            "--dp",
+            "2",
+            "--max-total-tokens",
+            "4000",
+            "--disable-radix-cache",
+            "--api-key",
+            "k",
+            "--schedule-policy",
+            "fcfs",
+        ]
+    )
     assert (a.http.port, a.http.api_key, a.deployment.dp) == (31000, "k", 2)
     assert (a.engine.max_total_tokens, a.engine.disable_radix_cache, a.engine.schedule_policy) == (
-        4000, True, "fcfs")
+        4000,
+        True,
+        "fcfs",
+    )
     assert a.http.host == "127.0.0.1" and a.engine.model_path is None
     assert ServerArgs.from_dict(a.to_dict()) == a
     assert parse_cli(["--dp-size", "3"]).deployment.dp == 3
@@ -48,8 +88,12 @@ def test_cli_flags_fill_the_layers():
 def test_replica_cpus_default_to_a_share_of_the_smallest_node(monkeypatch):
     from radixserve.cluster import app
 
-    nodes = [{"Alive": True, "Resources": {"CPU": 8.0}}, {"Alive": True, "Resources": {"CPU": 4.0}},
-             {"Alive": False, "Resources": {"CPU": 64.0}}, {"Alive": True, "Resources": {}}]
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 8.0}},
+        {"Alive": True, "Resources": {"CPU": 4.0}},
+        {"Alive": False, "Resources": {"CPU": 64.0}},
+        {"Alive": True, "Resources": {}},
+    ]
     monkeypatch.setattr(app.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(app.ray, "nodes", lambda: nodes)
     # dp replicas over the 2 live CPU nodes: ceil(dp / 2) per node, sized to the 4-CPU node.
@@ -86,34 +130,50 @@ def chat(**kw) -> ChatCompletionRequest:
 
 
 def test_chat_params_translate_to_sampling_params():
-    p = chat_sampling_params(chat(max_completion_tokens=7, temperature=0, stop="x", top_k=5,
-                                  logprobs=True, top_logprobs=3, logit_bias={"11": -100},
-                                  ignore_eos=True, min_tokens=2, seed=4, n=2),
-                             10, VOCAB, CTX)
+    p = chat_sampling_params(
+        chat(
+            max_completion_tokens=7,
+            temperature=0,
+            stop="x",
+            top_k=5,
+            logprobs=True,
+            top_logprobs=3,
+            logit_bias={"11": -100},
+            ignore_eos=True,
+            min_tokens=2,
+            seed=4,
+            n=2,
+        ),
+        10,
+        VOCAB,
+        CTX,
+    )
     assert (p.max_new_tokens, p.temperature, p.stop, p.top_k) == (7, 0, ("x",), 5)
     assert (p.logprobs, p.top_logprobs, p.logit_bias) == (True, 3, {11: -100.0})
     assert (p.ignore_eos, p.min_new_tokens, p.seed, p.n) == (True, 2, 4, 2)
     # Without a limit, the completion may use the rest of the context (OpenAI's default).
     assert chat_sampling_params(chat(), 100, VOCAB, CTX).max_new_tokens == CTX - 100
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
-    assert chat_sampling_params(chat(response_format=fmt), 1, VOCAB, CTX).json_schema == \
-        '{"type": "integer"}'
+    assert chat_sampling_params(chat(response_format=fmt), 1, VOCAB, CTX).json_schema == '{"type": "integer"}'
 
 
-@pytest.mark.parametrize("kw,param,code", [
-    ({"max_tokens": 8000}, "max_tokens", "context_length_exceeded"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens", None),
-    ({"max_tokens": 3, "max_completion_tokens": 3}, "max_completion_tokens", None),
-    ({"top_logprobs": 2}, "top_logprobs", None),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
-    ({"temperature": -1}, "temperature", None),
-    ({"top_p": 0}, "top_p", None),
-    ({"presence_penalty": 3}, "presence_penalty", None),
-    ({"logit_bias": {"abc": 1}}, "logit_bias", None),
-    ({"logit_bias": {"99999": 1}}, "logit_bias", None),
-    ({"stop_token_ids": [VOCAB]}, "stop_token_ids", None),
-    ({"n": 129}, "n", None),
-])
+@pytest.mark.parametrize(
+    "kw,param,code",
+    [
+        ({"max_tokens": 8000}, "max_tokens", "context_length_exceeded"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", None),
+        ({"max_tokens": 3, "max_completion_tokens": 3}, "max_completion_tokens", None),
+        ({"top_logprobs": 2}, "top_logprobs", None),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+        ({"temperature": -1}, "temperature", None),
+        ({"top_p": 0}, "top_p", None),
+        ({"presence_penalty": 3}, "presence_penalty", None),
+        ({"logit_bias": {"abc": 1}}, "logit_bias", None),
+        ({"logit_bias": {"99999": 1}}, "logit_bias", None),
+        ({"stop_token_ids": [VOCAB]}, "stop_token_ids", None),
+        ({"n": 129}, "n", None),
+    ],
+)
 def test_chat_params_out_of_range_name_the_param(kw, param, code):
     with pytest.raises(InvalidRequest) as e:
         chat_sampling_params(chat(**kw), 500, VOCAB, CTX)
@@ -124,20 +184,27 @@ def test_completion_and_native_params():
     req = CompletionRequest.model_validate({"prompt": "a", "logprobs": 2, "max_tokens": 3})
     p = completion_sampling_params(req, 1, VOCAB, CTX)
     assert (p.logprobs, p.top_logprobs, p.max_new_tokens) == (True, 2, 3)
-    for kw, param in (({"logprobs": 6}, "logprobs"), ({"best_of": 2}, "best_of"),
-                      ({"echo": True, "logprobs": 1}, "echo"), ({"suffix": "s"}, "suffix")):
+    for kw, param in (
+        ({"logprobs": 6}, "logprobs"),
+        ({"best_of": 2}, "best_of"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"suffix": "s"}, "suffix"),
+    ):
         with pytest.raises(InvalidRequest) as e:
-            completion_sampling_params(CompletionRequest.model_validate({"prompt": "a", **kw}),
-                                       1, VOCAB, CTX)
+            completion_sampling_params(CompletionRequest.model_validate({"prompt": "a", **kw}), 1, VOCAB, CTX)
         assert e.value.param == param
-    g = GenerateHTTPRequest.model_validate({"text": "a", "return_logprob": True,
-                                            "top_logprobs_num": 2,
-                                            "sampling_params": {"max_new_tokens": 4}})
+    g = GenerateHTTPRequest.model_validate(
+        {"text": "a", "return_logprob": True, "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 4}}
+    )
     p = native_sampling_params(g, 1, VOCAB, CTX)
     assert (p.max_new_tokens, p.logprobs, p.top_logprobs) == (4, True, 2)
     with pytest.raises(InvalidRequest) as e:
-        native_sampling_params(GenerateHTTPRequest.model_validate(
-            {"text": "a", "sampling_params": {"max_new_tokenz": 4}}), 1, VOCAB, CTX)
+        native_sampling_params(
+            GenerateHTTPRequest.model_validate({"text": "a", "sampling_params": {"max_new_tokenz": 4}}),
+            1,
+            VOCAB,
+            CTX,
+        )
     assert e.value.param == "max_new_tokenz"
 
 
@@ -150,10 +217,17 @@ def validation_error(schema, body: str) -> errors.APIError:
 def test_schema_errors_become_openai_400s():
     e = validation_error(ChatCompletionRequest, "{not json")
     assert e.status == 400 and e.message.startswith("Request body is not valid JSON")
-    e = validation_error(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "x"}], "tempreature": 1}')
-    assert e.body() == {"error": {"message": "Unrecognized request argument supplied: tempreature",
-                                  "type": "invalid_request_error", "param": "tempreature",
-                                  "code": None}}
+    e = validation_error(
+        ChatCompletionRequest, '{"messages": [{"role": "user", "content": "x"}], "tempreature": 1}'
+    )
+    assert e.body() == {
+        "error": {
+            "message": "Unrecognized request argument supplied: tempreature",
+            "type": "invalid_request_error",
+            "param": "tempreature",
+            "code": None,
+        }
+    }
     e = validation_error(ChatCompletionRequest, '{"messages": [{"role": "robot", "content": "x"}]}')
     assert (e.status, e.param) == (400, "messages.0.role")
     e = validation_error(ChatCompletionRequest, '{"messages": [{"role": "user"}], "max_tokens": "5"}')
@@ -163,49 +237,94 @@ def test_schema_errors_become_openai_400s():
 
 
 def test_replica_errors_round_trip_and_map_to_statuses():
-    inv = decode_error(json.loads(json.dumps(encode_error(
-        InvalidRequest("too long", "max_tokens", "context_length_exceeded")))))
-    assert isinstance(inv, InvalidRequest) and (inv.param, inv.code) == ("max_tokens",
-                                                                      "context_length_exceeded")
+    inv = decode_error(
+        json.loads(
+            json.dumps(encode_error(InvalidRequest("too long", "max_tokens", "context_length_exceeded")))
+        )
+    )
+    assert isinstance(inv, InvalidRequest) and (inv.param, inv.code) == (
+        "max_tokens",
+        "context_length_exceeded",
+    )
     assert errors.from_exception(inv).status == 400
     full = errors.from_exception(decode_error(encode_error(QueueFull("busy"))))
     assert (full.status, full.headers, full.body()["error"]["code"]) == (
-        503, {"Retry-After": "1"}, "queue_full")
-    assert json.loads(full.sse_event()[len("data: "):]) == full.body()
+        503,
+        {"Retry-After": "1"},
+        "queue_full",
+    )
+    assert json.loads(full.sse_event()[len("data: ") :]) == full.body()
 
 
 # Response builders ---------------------------------------------------------------------------------
 def test_sequences_fold_n_choices_and_count_the_prompt_once(tok):
     seqs = Sequences(num_prompts=1, n=2)
     seqs.add(0, OutputChunk(rid="r", index=1, token_ids=[5, 6], text="ab"))
-    seqs.add(0, OutputChunk(rid="r", index=0, token_ids=[7], text="c", finished=True,
-                            finish_reason={"type": "stop", "matched": 2}, prompt_tokens=10,
-                            cached_tokens=4, completion_tokens=1))
+    seqs.add(
+        0,
+        OutputChunk(
+            rid="r",
+            index=0,
+            token_ids=[7],
+            text="c",
+            finished=True,
+            finish_reason={"type": "stop", "matched": 2},
+            prompt_tokens=10,
+            cached_tokens=4,
+            completion_tokens=1,
+        ),
+    )
     assert not seqs.done
-    seqs.add(0, OutputChunk(rid="r", index=1, token_ids=[8], text="d", finished=True,
-                            finish_reason={"type": "length", "matched": None}, prompt_tokens=10,
-                            cached_tokens=4, completion_tokens=3))
+    seqs.add(
+        0,
+        OutputChunk(
+            rid="r",
+            index=1,
+            token_ids=[8],
+            text="d",
+            finished=True,
+            finish_reason={"type": "length", "matched": None},
+            prompt_tokens=10,
+            cached_tokens=4,
+            completion_tokens=3,
+        ),
+    )
     assert seqs.done
     body = chat_response("id", "m", seqs, tok, want_logprobs=False)
     assert [c["message"]["content"] for c in body["choices"]] == ["c", "abd"]
     assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
-    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
-                             "prompt_tokens_details": {"cached_tokens": 4}}
+    assert body["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 4,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
     assert usage_chunk("id", 1, "m", "chat.completion.chunk", seqs.usage())["choices"] == []
 
 
 def test_logprobs_in_openai_shapes(tok):
     hello, world = tok.encode("Hello"), tok.encode(" world")
     assert len(hello) == len(world) == 1
-    lps = [TokenLogprob(hello[0], -0.5, [(hello[0], -0.5), (world[0], -1.5)]),
-           TokenLogprob(world[0], -0.25, [])]
+    lps = [
+        TokenLogprob(hello[0], -0.5, [(hello[0], -0.5), (world[0], -1.5)]),
+        TokenLogprob(world[0], -0.25, []),
+    ]
     c = chat_logprobs(tok, lps)["content"]
-    assert c[0] == {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello"),
-                    "top_logprobs": [{"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")},
-                                     {"token": " world", "logprob": -1.5, "bytes": list(b" world")}]}
+    assert c[0] == {
+        "token": "Hello",
+        "logprob": -0.5,
+        "bytes": list(b"Hello"),
+        "top_logprobs": [
+            {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")},
+            {"token": " world", "logprob": -1.5, "bytes": list(b" world")},
+        ],
+    }
     assert completion_logprobs(tok, lps, 3) == {
-        "tokens": ["Hello", " world"], "token_logprobs": [-0.5, -0.25],
-        "top_logprobs": [{"Hello": -0.5, " world": -1.5}, {}], "text_offset": [3, 8]}
+        "tokens": ["Hello", " world"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"Hello": -0.5, " world": -1.5}, {}],
+        "text_offset": [3, 8],
+    }
 
 
 def test_token_bytes_are_exact_for_partial_utf8(tok):
@@ -224,10 +343,21 @@ def test_chat_template_is_the_models(tok):
 # Metrics ---------------------------------------------------------------------------------------------
 def test_metrics_render_replica_counters_and_request_histograms():
     m = Metrics("m")
-    m.set_replicas([ReplicaStats(replica_id="b", running=2, kv_total=100, kv_free=50,
-                                 kv_evictable=30, kv_protected=12, prompt_tokens_total=40,
-                                 cached_tokens_total=25),
-                    ReplicaStats(replica_id="a", kv_total=100, kv_free=100)])
+    m.set_replicas(
+        [
+            ReplicaStats(
+                replica_id="b",
+                running=2,
+                kv_total=100,
+                kv_free=50,
+                kv_evictable=30,
+                kv_protected=12,
+                prompt_tokens_total=40,
+                cached_tokens_total=25,
+            ),
+            ReplicaStats(replica_id="a", kv_total=100, kv_free=100),
+        ]
+    )
     t = m.timer()
     t.admitted()
     t.tokens(1)

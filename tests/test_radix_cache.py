@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from radixserve.workers.engine.kv_pool import KVPool
-from radixserve.workers.engine.radix_cache import (NullCache, RadixCache, _common_len,
-                                                   kv_invariant_ok)
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.mem_cache.prefix_cache import NullCache, kv_invariant_ok
+from radixserve.workers.mem_cache.radix_cache import RadixCache, _common_len
 
 
 def make(num_slots=16, page_size=1):
@@ -364,8 +364,7 @@ class _Sim:
         for i, s in enumerate(m.slots):
             assert self.content[s] == (ns, tuple(toks[: i + 1]))
         self.cache.lock(m.node)
-        self.active.append(dict(tokens=toks, ns=ns, slots=list(m.slots), tree_len=len(m.slots),
-                                node=m.node))
+        self.active.append(dict(tokens=toks, ns=ns, slots=list(m.slots), tree_len=len(m.slots), node=m.node))
 
     def compute(self, req):
         left = len(req["tokens"]) - len(req["slots"])
@@ -377,10 +376,11 @@ class _Sim:
             self.content[s] = (req["ns"], tuple(req["tokens"][: i + 1]))
         req["slots"] += new
         if self.rng.random() < 0.5:
-            r = self.cache.cache_unfinished(req["tokens"][: len(req["slots"])], req["slots"],
-                                            req["node"], req["ns"])
+            r = self.cache.cache_unfinished(
+                req["tokens"][: len(req["slots"])], req["slots"], req["node"], req["ns"]
+            )
             k = len(req["slots"])
-            assert len(r.slots) == k and r.slots[k - k % self.p:] == req["slots"][k - k % self.p:]
+            assert len(r.slots) == k and r.slots[k - k % self.p :] == req["slots"][k - k % self.p :]
             req.update(slots=r.slots, node=r.node, tree_len=k - k % self.p)
 
     def finish(self, req):
@@ -391,7 +391,7 @@ class _Sim:
     def owned_by_requests(self):
         pages = set()
         for req in self.active:
-            pages.update(s // self.p for s in req["slots"][req["tree_len"]:])
+            pages.update(s // self.p for s in req["slots"][req["tree_len"] :])
         return len(pages) * self.p
 
     def check(self):
@@ -399,8 +399,9 @@ class _Sim:
         for req in self.active:
             assert not any(self.pool.is_free(s) for s in req["slots"])
         c, pool = self.cache, self.pool
-        assert (pool.available() + c.evictable_size() + c.protected_size()
-                + self.owned_by_requests() == pool.size)
+        assert (
+            pool.available() + c.evictable_size() + c.protected_size() + self.owned_by_requests() == pool.size
+        )
 
     def step(self):
         op = self.rng.random()

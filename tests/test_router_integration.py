@@ -16,17 +16,27 @@ import ray
 
 from tests.serve_utils import running_app
 
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
+
 KV_TOTAL = 2048
 SYNC_S = 1.0
 SETTLE_S = 2 * SYNC_S + 1.0  # every ingress has applied a report taken after the last request
-WORDS = ("river garden music window table paper market light voice field song planet ocean "
-         "bridge engine signal winter summer forest island mountain letter picture").split()
+WORDS = (
+    "river garden music window table paper market light voice field song planet ocean "
+    "bridge engine signal winter summer forest island mountain letter picture"
+).split()
 
 
 @pytest.fixture(scope="module")
 def http():
-    args = {"dp": 2, "ingress_replicas": 2, "replica_num_cpus": 0.5, "max_total_tokens": KV_TOTAL,
-            "num_threads": 1, "router_sync_interval_s": SYNC_S}
+    args = {
+        "dp": 2,
+        "ingress_replicas": 2,
+        "replica_num_cpus": 0.5,
+        "max_total_tokens": KV_TOTAL,
+        "num_threads": 1,
+        "router_sync_interval_s": SYNC_S,
+    }
     with running_app(args) as base, httpx.Client(base_url=base, timeout=120) as client:
         yield client
 
@@ -37,13 +47,17 @@ def system_prompt(group: int, n_words: int = 250) -> str:
 
 
 def messages(group: int, question: int) -> list[dict]:
-    return [{"role": "system", "content": system_prompt(group)},
-            {"role": "user", "content": f"Question {question}: what comes next?"}]
+    return [
+        {"role": "system", "content": system_prompt(group)},
+        {"role": "user", "content": f"Question {question}: what comes next?"},
+    ]
 
 
 def ask(http: httpx.Client, group: int, question: int) -> dict:
-    r = http.post("/v1/chat/completions", json={"messages": messages(group, question),
-                                                "max_tokens": 4, "temperature": 0})
+    r = http.post(
+        "/v1/chat/completions",
+        json={"messages": messages(group, question), "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -110,13 +124,22 @@ def scrape(http: httpx.Client) -> str:
 
 def test_router_metrics(http):
     text = scrape(http)
-    for name in ("router_requests_total", "router_prefix_hits_total",
-                 "router_prefix_misses_total", "router_imbalance_fallbacks_total",
-                 "router_tree_tokens", "router_tree_nodes", "router_in_flight_requests",
-                 "router_tree_replica_tokens"):
+    for name in (
+        "router_requests_total",
+        "router_prefix_hits_total",
+        "router_prefix_misses_total",
+        "router_imbalance_fallbacks_total",
+        "router_tree_tokens",
+        "router_tree_nodes",
+        "router_in_flight_requests",
+        "router_tree_replica_tokens",
+    ):
         assert f"radixserve:{name}" in text, name
-    hits = [float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith("radixserve:router_prefix_hits_total{")]
+    hits = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("radixserve:router_prefix_hits_total{")
+    ]
     assert len(hits) == 1 and hits[0] >= 1  # this ingress routed at least one cache hit
 
 
@@ -140,8 +163,12 @@ def test_killing_a_replica_does_not_stop_the_service(http):
     deadline = time.monotonic() + 60
     while True:  # every ingress drops the dead replica (its own failure or Serve's update)
         views = router_views(http)
-        gone = all(victim not in v["replicas"] and victim not in v["in_flight"]
-                   and victim not in v["tree_tokens_by_replica"] for v in views)
+        gone = all(
+            victim not in v["replicas"]
+            and victim not in v["in_flight"]
+            and victim not in v["tree_tokens_by_replica"]
+            for v in views
+        )
         if gone:
             break
         assert time.monotonic() < deadline, views

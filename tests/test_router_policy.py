@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from radixserve.router.policy import (
+from radixserve.router.routing.policy import (
     CacheAwarePolicy,
     Decision,
     NoReplicaAvailable,
@@ -84,8 +84,7 @@ def test_imbalance_prefers_the_best_match_among_the_least_loaded():
     policy.on_dispatch(prompt(1), "a")
     policy.on_dispatch(SYSTEM[:100], "b")
     policy.on_dispatch(list(range(70_000, 70_500)), "c")  # c claims more than d
-    loads = [ReplicaLoad("a", in_flight=100), ReplicaLoad("b", 0), ReplicaLoad("c", 0),
-             ReplicaLoad("d", 0)]
+    loads = [ReplicaLoad("a", in_flight=100), ReplicaLoad("b", 0), ReplicaLoad("c", 0), ReplicaLoad("d", 0)]
     assert policy.choose(prompt(9), loads) == Decision("b", 100, "imbalance")
     # No least-loaded replica matches: fewest claimed tokens wins (d claims none).
     assert policy.choose([5, 5, 5], loads) == Decision("d", 0, "imbalance")
@@ -190,10 +189,17 @@ def test_snapshot_counts_hits_misses_fallbacks_and_in_flight():
     policy.on_complete("a", prompt(1))
     snap = policy.snapshot()
     assert snap == {
-        "policy": "cache_aware", "requests_total": 4, "prefix_hits": 2, "prefix_misses": 1,
-        "imbalance_fallbacks": 1, "matched_tokens_total": 800, "tree_tokens": 480,
-        "tree_nodes": 5, "tree_tokens_by_replica": {"a": 460, "b": 420},
-        "in_flight": {"a": 2, "b": 1}, "in_flight_tokens": {"a": 840, "b": 420},
+        "policy": "cache_aware",
+        "requests_total": 4,
+        "prefix_hits": 2,
+        "prefix_misses": 1,
+        "imbalance_fallbacks": 1,
+        "matched_tokens_total": 800,
+        "tree_tokens": 480,
+        "tree_nodes": 5,
+        "tree_tokens_by_replica": {"a": 460, "b": 420},
+        "in_flight": {"a": 2, "b": 1},
+        "in_flight_tokens": {"a": 840, "b": 420},
     }
 
 

@@ -6,9 +6,9 @@ from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest
 
 from radixserve.cluster.config import ServerArgs, parse_cli
-from radixserve.router.policy import Decision, PolicyConfig
-from radixserve.router.request_router import prompt_ids
-from radixserve.router.routing_state import PROVISIONAL_TTL_S, RoutingState, routing_state
+from radixserve.router.routing.policy import Decision, PolicyConfig
+from radixserve.router.routing.request_router import prompt_ids
+from radixserve.router.routing.routing_state import PROVISIONAL_TTL_S, RoutingState, routing_state
 from radixserve.workers.protocol import ReplicaStats
 
 SYSTEM = list(range(1000, 1300))  # a 300-token shared prefix
@@ -166,11 +166,28 @@ async def test_prompt_ids_only_from_generate_calls():
 
 
 def test_router_flags():
-    a = parse_cli(["--dp", "2", "--router-policy", "power_of_two", "--cache-threshold", "0.5",
-                   "--balance-abs-threshold", "8", "--balance-rel-threshold", "2",
-                   "--router-sync-interval-s", "2.5"])
-    assert a.policy_kwargs() == {"policy": "power_of_two", "cache_threshold": 0.5,
-                                 "balance_abs_threshold": 8, "balance_rel_threshold": 2.0}
+    a = parse_cli(
+        [
+            "--dp",
+            "2",
+            "--router-policy",
+            "power_of_two",
+            "--cache-threshold",
+            "0.5",
+            "--balance-abs-threshold",
+            "8",
+            "--balance-rel-threshold",
+            "2",
+            "--router-sync-interval-s",
+            "2.5",
+        ]
+    )
+    assert a.policy_kwargs() == {
+        "policy": "power_of_two",
+        "cache_threshold": 0.5,
+        "balance_abs_threshold": 8,
+        "balance_rel_threshold": 2.0,
+    }
     assert a.router.router_sync_interval_s == 2.5
     assert ServerArgs.from_dict({"dp": 2}).policy_kwargs()["policy"] == "cache_aware"
     assert ServerArgs.from_dict({"dp": 1}).policy_kwargs()["policy"] == "round_robin"

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from radixserve.workers.engine.sampler import Sampler, SamplerRow
 from radixserve.workers.protocol import SamplingParams
+from radixserve.workers.sampling.sampler import Sampler, SamplerRow
 
 torch.set_num_threads(2)
 
@@ -60,8 +60,9 @@ def test_top_k_one_is_greedy_even_at_high_temperature():
         assert s.sample(logits, batch).token_ids == logits[:, :V].argmax(-1).tolist()
 
 
-def seeded_run(sampler: Sampler, seed: int, others: list[SamplerRow], position: int,
-               steps: int = 12) -> list[int]:
+def seeded_run(
+    sampler: Sampler, seed: int, others: list[SamplerRow], position: int, steps: int = 12
+) -> list[int]:
     """Generate `steps` tokens for one seeded row sitting at `position` among `others`."""
     gen = sampler.make_generator(seed)
     logits_gen = torch.Generator().manual_seed(99)
@@ -78,8 +79,11 @@ def seeded_run(sampler: Sampler, seed: int, others: list[SamplerRow], position: 
 def test_seeded_rows_reproduce_regardless_of_batch():
     alone = seeded_run(make_sampler(0), 1234, [], 0)
     assert seeded_run(make_sampler(1), 1234, [], 0) == alone
-    others = [row(temperature=0.7), row(temperature=0.0), row(temperature=1.0, top_k=5, seed=9,
-                                                              generator=torch.Generator().manual_seed(9))]
+    others = [
+        row(temperature=0.7),
+        row(temperature=0.0),
+        row(temperature=1.0, top_k=5, seed=9, generator=torch.Generator().manual_seed(9)),
+    ]
     assert seeded_run(make_sampler(2), 1234, others, 1) == alone
     assert seeded_run(make_sampler(3), 1234, others[:1], 1) == alone
     assert seeded_run(make_sampler(0), 4321, [], 0) != alone
@@ -94,15 +98,18 @@ def test_unseeded_sampling_follows_the_distribution():
     assert all(abs(f - p) < 0.03 for f, p in zip(freq, probs)), freq
 
 
-@pytest.mark.parametrize("params, allowed", [
-    ({"top_k": 3}, {0, 1, 2}),
-    ({"top_p": 0.65}, {0, 1}),  # the mass before token 2 is 0.7 >= 0.65
-    ({"top_p": 0.8}, {0, 1, 2}),  # the mass before token 3 is 0.85
-    ({"min_p": 0.2}, {0, 1, 2, 3}),  # drops p < 0.2 * 0.4
-    ({"top_k": 4, "top_p": 0.8}, {0, 1, 2}),  # renormalised over 4: mass before token 3 is 0.89
-    ({"top_k": 2, "top_p": 0.9}, {0, 1}),  # top_p alone would keep 4
-    ({"top_k": 2, "min_p": 0.01}, {0, 1}),
-])
+@pytest.mark.parametrize(
+    "params, allowed",
+    [
+        ({"top_k": 3}, {0, 1, 2}),
+        ({"top_p": 0.65}, {0, 1}),  # the mass before token 2 is 0.7 >= 0.65
+        ({"top_p": 0.8}, {0, 1, 2}),  # the mass before token 3 is 0.85
+        ({"min_p": 0.2}, {0, 1, 2, 3}),  # drops p < 0.2 * 0.4
+        ({"top_k": 4, "top_p": 0.8}, {0, 1, 2}),  # renormalised over 4: mass before token 3 is 0.89
+        ({"top_k": 2, "top_p": 0.9}, {0, 1}),  # top_p alone would keep 4
+        ({"top_k": 2, "min_p": 0.01}, {0, 1}),
+    ],
+)
 def test_filters_never_pick_a_filtered_token(params, allowed):
     probs = [0.4, 0.3, 0.15, 0.1, 0.05]
     logits = logits_from_probs(probs)[0]
@@ -121,7 +128,7 @@ def test_mixed_batch_rows_keep_their_own_filters():
     rows = kinds * 300  # interleaved, so every kind sits among the others
     logits = logits_from_probs([0.4, 0.3, 0.15, 0.1, 0.05], rows=len(rows))
     tokens = s.sample(logits, s.prepare(rows)).token_ids
-    seen = [set(tokens[k::len(kinds)]) for k in range(len(kinds))]
+    seen = [set(tokens[k :: len(kinds)]) for k in range(len(kinds))]
     assert seen == [{0}, {0, 1}, {0, 1, 2, 3, 4}, {0, 1}]
 
 
@@ -129,8 +136,10 @@ def test_penalties_change_logits_exactly():
     s = make_sampler()
     raw = torch.zeros(2, V)
     raw[:, :5] = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0])
-    rows = [row(prompt=[0, 4], output=[1, 1, 3], repetition_penalty=2.0),
-            row(prompt=[0, 4], output=[1, 1, 3], frequency_penalty=0.5, presence_penalty=0.25)]
+    rows = [
+        row(prompt=[0, 4], output=[1, 1, 3], repetition_penalty=2.0),
+        row(prompt=[0, 4], output=[1, 1, 3], frequency_penalty=0.5, presence_penalty=0.25),
+    ]
     out = s.process_logits(padded(raw), s.prepare(rows))
     assert out.shape == (2, V)
     assert out[0, :6].tolist() == [1.0, -2.0, 0.5, 1.5, -8.0, 0.0]
@@ -143,8 +152,15 @@ def test_penalty_order_bias_then_repetition_then_frequency():
     raw = torch.zeros(1, V)
     raw[0, 1] = -1.0
     # bias makes the logit positive, so the repetition penalty divides: (-1 + 3) / 2 - 0.5 * 2 - 0.5
-    rows = [row(output=[1, 1], logit_bias={1: 3.0}, repetition_penalty=2.0,
-                frequency_penalty=0.5, presence_penalty=0.5)]
+    rows = [
+        row(
+            output=[1, 1],
+            logit_bias={1: 3.0},
+            repetition_penalty=2.0,
+            frequency_penalty=0.5,
+            presence_penalty=0.5,
+        )
+    ]
     assert s.process_logits(padded(raw), s.prepare(rows))[0, 1].item() == -0.5
 
 
@@ -174,9 +190,11 @@ def test_min_new_tokens_blocks_eos_and_stop_token_ids():
 def test_logprobs_come_from_the_raw_distribution_best_first():
     s = make_sampler()
     raw = torch.randn(3, V, generator=torch.Generator().manual_seed(4))
-    rows = [row(temperature=0.0, logprobs=True, top_logprobs=5, logit_bias={2: 50.0}),
-            row(temperature=0.0),
-            row(temperature=1.0, logprobs=True)]
+    rows = [
+        row(temperature=0.0, logprobs=True, top_logprobs=5, logit_bias={2: 50.0}),
+        row(temperature=0.0),
+        row(temperature=1.0, logprobs=True),
+    ]
     out = s.sample(padded(raw), s.prepare(rows))
     ref = raw.log_softmax(-1)
     assert out.token_ids[0] == 2
@@ -235,7 +253,7 @@ def test_packed_mask_layout_matches_xgrammar():
 
 @pytest.mark.parametrize("candidates", [8, 64])
 def test_top_p_candidates_equal_the_full_sort(candidates):
-    from radixserve.workers.engine.logit_filters import _by_sort, keep_top_k_top_p
+    from radixserve.workers.sampling.logit_filters import _by_sort, keep_top_k_top_p
 
     g = torch.Generator().manual_seed(6)
     # Peaked rows are settled by the candidates; flat ones (scale 0.1) need the fallback sort.

@@ -3,10 +3,13 @@
 import pytest
 
 from radixserve.workers.engine.config import EngineConfig
-from radixserve.workers.engine.kv_pool import KVPool, ReqToTokenPool
-from radixserve.workers.engine.radix_cache import NullCache, RadixCache, kv_invariant_ok
 from radixserve.workers.engine.request import Req, ReqStatus
-from radixserve.workers.engine.scheduler import BatchKind, Scheduler
+from radixserve.workers.engine.scheduler import Scheduler
+from radixserve.workers.executor.plan import BatchKind
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.mem_cache.prefix_cache import NullCache, kv_invariant_ok
+from radixserve.workers.mem_cache.radix_cache import RadixCache
+from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.workers.protocol import SamplingParams
 
 
@@ -103,6 +106,7 @@ def test_lpm_in_batch_dedup_defers_shared_prefix():
 def optimistic(monkeypatch):
     """Admit as if requests will stop early, so running ones must be retracted later."""
     import radixserve.workers.engine.scheduler as mod
+
     monkeypatch.setattr(mod, "INIT_NEW_TOKEN_RATIO", 0.05)
     monkeypatch.setattr(mod, "MIN_NEW_TOKEN_RATIO", 0.05)
 

@@ -16,6 +16,8 @@ import ray
 
 from tests.serve_utils import running_app
 
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
+
 KEY = "sk-test-key"
 MAX_BODY = 256 * 1024
 KV_TOTAL = 4096
@@ -23,8 +25,15 @@ KV_TOTAL = 4096
 
 @pytest.fixture(scope="module")
 def url():
-    with running_app({"max_total_tokens": KV_TOTAL, "num_threads": 2, "api_key": KEY,
-                      "max_request_bytes": MAX_BODY, "max_running_requests": 64}) as base:
+    with running_app(
+        {
+            "max_total_tokens": KV_TOTAL,
+            "num_threads": 2,
+            "api_key": KEY,
+            "max_request_bytes": MAX_BODY,
+            "max_running_requests": 64,
+        }
+    ) as base:
         yield base
 
 
@@ -68,11 +77,17 @@ def user(text: str) -> list[dict]:
 def test_model_and_server_info(http, model):
     assert model == "SmolLM2-135M-Instruct"
     info = http.get("/get_model_info").json()
-    assert (info["served_model_name"], info["context_length"], info["vocab_size"]) == (
-        model, 8192, 49152)
+    assert (info["served_model_name"], info["context_length"], info["vocab_size"]) == (model, 8192, 49152)
     r = replica(http)
-    assert set(r) >= {"replica_id", "running", "queued", "kv_total", "kv_free", "kv_evictable",
-                      "kv_protected"}
+    assert set(r) >= {
+        "replica_id",
+        "running",
+        "queued",
+        "kv_total",
+        "kv_free",
+        "kv_evictable",
+        "kv_protected",
+    }
     assert http.get("/get_server_info").json()["api_key"] == "***"
     assert http.get("/health_generate").status_code == 200
 
@@ -83,8 +98,7 @@ def test_chat_stream_equals_non_stream(client, model):
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
     assert full.usage.completion_tokens == 12 or full.choices[0].finish_reason == "stop"
     assert full.usage.prompt_tokens_details.cached_tokens >= 0
-    chunks = list(client.chat.completions.create(**kw, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -107,8 +121,9 @@ def test_completions_with_logprobs_stream_and_not(client, model):
 
 
 def test_chat_logprobs_shape(client, model):
-    r = client.chat.completions.create(model=model, messages=user("Hi"), max_tokens=3,
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=model, messages=user("Hi"), max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for c in content:
@@ -118,13 +133,18 @@ def test_chat_logprobs_shape(client, model):
 
 def test_shared_system_prompt_is_cached(client, model, http):
     system = f"[{uuid.uuid4().hex}] You are a meticulous librarian. " + " ".join(
-        f"Rule {i}: always cite the shelf number and the year of print." for i in range(40))
+        f"Rule {i}: always cite the shelf number and the year of print." for i in range(40)
+    )
     prefix = len(http.post("/v1/tokenize", json={"prompt": system}).json()["tokens"])
     assert prefix > 400
     usages = []
     for question in ("Where is the atlas?", "Who wrote Hamlet?"):
-        r = client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
-            {"role": "system", "content": system}, {"role": "user", "content": question}])
+        r = client.chat.completions.create(
+            model=model,
+            max_tokens=4,
+            temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )
         usages.append(r.usage)
     assert usages[0].prompt_tokens_details.cached_tokens < 8  # only the template's "<|im_start|>system"
     cached = usages[1].prompt_tokens_details.cached_tokens
@@ -132,57 +152,85 @@ def test_shared_system_prompt_is_cached(client, model, http):
 
 
 def test_n_choices_and_seed(client, model):
-    kw = dict(model=model, messages=user("Say a word."), max_tokens=5, temperature=1.0, n=3,
-              seed=11, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=model,
+        messages=user("Say a word."),
+        max_tokens=5,
+        temperature=1.0,
+        n=3,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     client.chat.completions.create(**kw)  # warm the cache: both runs below see the same prefix
     a = client.chat.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1, 2]
     assert a.usage.completion_tokens == 15
     streamed = list(client.chat.completions.create(**kw, stream=True))
-    per_choice = {i: "".join(c.choices[0].delta.content or "" for c in streamed
-                             if c.choices and c.choices[0].index == i) for i in range(3)}
+    per_choice = {
+        i: "".join(
+            c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i
+        )
+        for i in range(3)
+    }
     assert [per_choice[i] for i in range(3)] == [c.message.content for c in a.choices]
     assert len(set(per_choice.values())) > 1  # three samples, not one repeated
 
 
 def test_stop_string_cuts_the_output(client, model):
-    kw = dict(model=model, prompt="List the numbers: one, two, three,", max_tokens=16,
-              temperature=0)
+    kw = dict(model=model, prompt="List the numbers: one, two, three,", max_tokens=16, temperature=0)
     text = client.completions.create(**kw).choices[0].text
     words = re.findall(r"\w+", text)
     assert len(words) >= 3, text
     stop = words[2]
     cut = client.completions.create(**kw, stop=[stop, "zzzz"]).choices[0]
-    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)]
     assert cut.model_extra["matched_stop"] == stop
 
 
 async def test_64_concurrent_requests_exact_token_counts(url, model, http):
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0,
-                                  timeout=300) as aclient:
-        rs = await asyncio.gather(*(aclient.chat.completions.create(
-            model=model, messages=user(f"Count to {i}."), max_tokens=16, temperature=0.7,
-            extra_body={"ignore_eos": True}) for i in range(64)))
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300) as aclient:
+        rs = await asyncio.gather(
+            *(
+                aclient.chat.completions.create(
+                    model=model,
+                    messages=user(f"Count to {i}."),
+                    max_tokens=16,
+                    temperature=0.7,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(64)
+            )
+        )
     assert [r.usage.completion_tokens for r in rs] == [16] * 64
     assert {r.choices[0].finish_reason for r in rs} == {"length"}
     wait_idle(http)
 
 
 def test_native_generate(http):
-    r = http.post("/generate", json={"text": "The capital of France is",
-                                     "sampling_params": {"max_new_tokens": 5, "temperature": 0},
-                                     "return_logprob": True, "top_logprobs_num": 2}).json()
+    r = http.post(
+        "/generate",
+        json={
+            "text": "The capital of France is",
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        },
+    ).json()
     meta = r["meta_info"]
     assert len(r["output_ids"]) == meta["completion_tokens"] == 5
     assert meta["finish_reason"]["type"] == "length" and meta["prompt_tokens"] > 0
     assert meta["cached_tokens"] >= 0 and meta["e2e_latency"] > 0
     assert [x[1] for x in meta["output_token_logprobs"]] == r["output_ids"]
     ids = http.post("/v1/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
-    again = http.post("/generate", json={"input_ids": ids, "sampling_params": {
-        "max_new_tokens": 5, "temperature": 0}}).json()
+    again = http.post(
+        "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    ).json()
     assert again["output_ids"] == r["output_ids"] and again["meta_info"]["cached_tokens"] > 0
-    with http.stream("POST", "/generate", json={"input_ids": ids, "stream": True, "sampling_params": {
-            "max_new_tokens": 5, "temperature": 0}}) as s:
+    with http.stream(
+        "POST",
+        "/generate",
+        json={"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0}},
+    ) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
@@ -199,8 +247,9 @@ def test_metrics_counters_move(http, client, model):
         return out
 
     before = scrape()
-    r = client.completions.create(model=model, prompt="Metrics please", max_tokens=7,
-                                  temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=model, prompt="Metrics please", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = scrape()
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     assert delta["radixserve:num_requests_total"] == 1
@@ -217,9 +266,17 @@ def test_flush_cache_and_abort_request(http, client, model):
     assert http.post("/flush_cache").json()["success"] is True
     assert replica(http)["kv_evictable"] == 0
     rid = f"abort-me-{uuid.uuid4().hex}"
-    with http.stream("POST", "/v1/completions", json={
-            "prompt": "Write a long story.", "max_tokens": 3000, "stream": True, "rid": rid,
-            "ignore_eos": True}) as s:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "prompt": "Write a long story.",
+            "max_tokens": 3000,
+            "stream": True,
+            "rid": rid,
+            "ignore_eos": True,
+        },
+    ) as s:
         lines = s.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         assert http.post("/abort_request", json={"rid": rid}).json() == {"rid": rid, "aborted": True}
@@ -237,21 +294,24 @@ def error_of(resp: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"messages": user("x"), "temperature": "hot"}, "temperature"),
-    ({"messages": user("x"), "temperature": -0.5}, "temperature"),
-    ({"messages": user("x"), "top_p": 1.5}, "top_p"),
-    ({"messages": user("x"), "n": 0}, "n"),
-    ({"messages": user("x"), "max_tokens": -1}, "max_tokens"),
-    ({"messages": user("x"), "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
-    ({"messages": user("x"), "stop": [""]}, "stop"),
-    ({"messages": user("x"), "frequency_penalty": 9}, "frequency_penalty"),
-    ({"messages": user("x"), "logit_bias": {"-3": 1}}, "logit_bias"),
-    ({"messages": user("x"), "bogus": 1}, "bogus"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"messages": []}, "messages"),
-    ({}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": user("x"), "temperature": "hot"}, "temperature"),
+        ({"messages": user("x"), "temperature": -0.5}, "temperature"),
+        ({"messages": user("x"), "top_p": 1.5}, "top_p"),
+        ({"messages": user("x"), "n": 0}, "n"),
+        ({"messages": user("x"), "max_tokens": -1}, "max_tokens"),
+        ({"messages": user("x"), "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+        ({"messages": user("x"), "stop": [""]}, "stop"),
+        ({"messages": user("x"), "frequency_penalty": 9}, "frequency_penalty"),
+        ({"messages": user("x"), "logit_bias": {"-3": 1}}, "logit_bias"),
+        ({"messages": user("x"), "bogus": 1}, "bogus"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"messages": []}, "messages"),
+        ({}, "messages"),
+    ],
+)
 def test_invalid_parameters_are_400(http, body, param):
     err = error_of(http.post("/v1/chat/completions", json=body), 400)
     assert (err["type"], err["param"]) == ("invalid_request_error", param)
@@ -259,16 +319,16 @@ def test_invalid_parameters_are_400(http, body, param):
 
 def test_malformed_bodies_are_400(http):
     for content in (b"{not json", b"", b"[1, 2]", b"\xff\xfe"):
-        err = error_of(http.post("/v1/completions", content=content,
-                                 headers={"Content-Type": "application/json"}), 400)
+        err = error_of(
+            http.post("/v1/completions", content=content, headers={"Content-Type": "application/json"}), 400
+        )
         assert err["type"] == "invalid_request_error"
     err = error_of(http.post("/generate", json={"text": "a", "sampling_params": {"top_k": 0}}), 400)
     assert err["param"] == "top_k"
 
 
 def test_context_length_exceeded(http, client, model):
-    err = error_of(http.post("/v1/chat/completions", json={"messages": user("x"),
-                                                           "max_tokens": 8190}), 400)
+    err = error_of(http.post("/v1/chat/completions", json={"messages": user("x"), "max_tokens": 8190}), 400)
     assert (err["code"], err["param"]) == ("context_length_exceeded", "max_tokens")
     long_prompt = list(range(100, 100 + 8192))
     err = error_of(http.post("/v1/completions", json={"prompt": long_prompt}), 400)
@@ -290,8 +350,10 @@ def test_api_key(url):
         assert anon.get("/health").status_code == 200
         err = error_of(anon.get("/v1/models"), 401)
         assert err["code"] == "invalid_api_key"
-        error_of(anon.post("/v1/completions", json={"prompt": "x"},
-                           headers={"Authorization": f"Bearer {KEY}x"}), 401)
+        error_of(
+            anon.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}x"}),
+            401,
+        )
         error_of(anon.get("/metrics", headers={"Authorization": KEY}), 401)  # no "Bearer "
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -305,17 +367,26 @@ def test_oversized_body_is_413(http):
     def chunks():  # no Content-Length: the limit holds while the body streams in
         for _ in range(MAX_BODY // 4096 + 2):
             yield b" " * 4096
-    error_of(http.post("/v1/completions", content=chunks(),
-                       headers={"Content-Type": "application/json"}), 413)
+
+    error_of(
+        http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413
+    )
 
 
 # Disconnects and failures ---------------------------------------------------------------------------
 def test_disconnect_mid_stream_aborts(http):
     wait_idle(http)
     aborted = replica(http)["num_aborted_total"]
-    with http.stream("POST", "/v1/chat/completions", json={
-            "messages": user("Tell me a very long story."), "max_tokens": 3000,
-            "ignore_eos": True, "stream": True}) as s:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": user("Tell me a very long story."),
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as s:
         lines = s.iter_lines()
         for _ in range(5):
             next(line for line in lines if line.startswith("data: "))
@@ -329,22 +400,28 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(url, http):
     aborted = replica(http)["num_aborted_total"]
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}) as c:
         with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/completions", json={"prompt": "A long story:", "max_tokens": 3000,
-                                            "ignore_eos": True}, timeout=2.0)
+            c.post(
+                "/v1/completions",
+                json={"prompt": "A long story:", "max_tokens": 3000, "ignore_eos": True},
+                timeout=2.0,
+            )
     wait_idle(http, timeout=5)
     assert replica(http)["num_aborted_total"] == aborted + 1
 
 
 def test_replica_failure_mid_stream_is_an_in_band_error(http):
     """Last in the module: it kills the engine replica (Serve starts a new one)."""
-    with http.stream("POST", "/v1/completions", json={
-            "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True,
-            "stream": True}) as s:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True},
+    ) as s:
         assert s.status_code == 200
         lines = s.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if "EngineReplica" in a["name"]]
+        (name,) = [
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]
+        ]
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         events = [line[6:] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -353,23 +430,34 @@ def test_replica_failure_mid_stream_is_an_in_band_error(http):
 
 
 # Structured output over HTTP ------------------------------------------------------------------
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 16},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-    "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def test_chat_response_format_json_schema_and_json_object(client, model, http):
     import jsonschema
 
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    r = client.chat.completions.create(model=model, messages=user("Describe a person."),
-                                       max_tokens=80, temperature=0, response_format=fmt)
+    r = client.chat.completions.create(
+        model=model, messages=user("Describe a person."), max_tokens=80, temperature=0, response_format=fmt
+    )
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
     stream = client.chat.completions.create(
-        model=model, messages=user("Give a JSON object with a name and a city."), max_tokens=200,
-        temperature=0, stream=True, response_format={"type": "json_object"})
+        model=model,
+        messages=user("Give a JSON object with a name and a city."),
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        response_format={"type": "json_object"},
+    )
     chunks = [c for c in stream if c.choices]
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), dict)
@@ -377,27 +465,48 @@ def test_chat_response_format_json_schema_and_json_object(client, model, http):
 
 
 def test_regex_ebnf_and_json_schema_extensions(client, model, http):
-    r = client.completions.create(model=model, prompt="Answer yes or no:", max_tokens=8,
-                                  extra_body={"regex": "(yes|no)"})
+    r = client.completions.create(
+        model=model, prompt="Answer yes or no:", max_tokens=8, extra_body={"regex": "(yes|no)"}
+    )
     assert r.choices[0].text in ("yes", "no")
-    r = client.chat.completions.create(model=model, messages=user("A phone number"), max_tokens=20,
-                                       extra_body={"regex": r"[0-9]{3}-[0-9]{4}"})
+    r = client.chat.completions.create(
+        model=model,
+        messages=user("A phone number"),
+        max_tokens=20,
+        extra_body={"regex": r"[0-9]{3}-[0-9]{4}"},
+    )
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].message.content)
-    r = client.chat.completions.create(model=model, messages=user("A person"), max_tokens=80,
-                                       extra_body={"json_schema": json.dumps(PERSON)})
+    r = client.chat.completions.create(
+        model=model, messages=user("A person"), max_tokens=80, extra_body={"json_schema": json.dumps(PERSON)}
+    )
     assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
-    g = http.post("/generate", json={"text": "A sum:", "sampling_params": {
-        "max_new_tokens": 20, "temperature": 0, "ebnf": 'root ::= [1-9] "+" [1-9]'}}).json()
+    g = http.post(
+        "/generate",
+        json={
+            "text": "A sum:",
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ebnf": 'root ::= [1-9] "+" [1-9]'},
+        },
+    ).json()
     assert re.fullmatch(r"[1-9]\+[1-9]", g["text"])
     wait_idle(http)
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}},
-     "json_schema"),
-    ({"regex": "(unclosed"}, "regex"),
-    ({"ebnf": "root ::= "}, "ebnf"),
-])
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}},
+                }
+            },
+            "json_schema",
+        ),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"ebnf": "root ::= "}, "ebnf"),
+    ],
+)
 def test_bad_grammars_are_400_and_serving_goes_on(http, model, extra, param):
     body = {"model": model, "messages": user("hi"), "max_tokens": 5, **extra}
     err = error_of(http.post("/v1/chat/completions", json=body), 400)

@@ -17,23 +17,26 @@ import psutil
 import pytest
 import yaml
 
+from load_tests import bench_serving
 from tests.serve_utils import free_port
 
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "load_tests"))
-import bench_serving  # noqa: E402
 
 
 def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
-                            cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200 and \
-                    httpx.get(url + "/get_server_info", timeout=5).status_code in (200, 401):
+            if httpx.get(url + "/health", timeout=2).status_code == 200 and httpx.get(
+                url + "/get_server_info", timeout=5
+            ).status_code in (200, 401):
                 return proc
         except httpx.HTTPError:
             pass
@@ -48,17 +51,20 @@ def stop(proc: subprocess.Popen, sig: int) -> None:
     proc.send_signal(sig)
     assert proc.wait(timeout=90) == 0
     deadline = time.monotonic() + 30
-    while (alive := [p for p in family if psutil.pid_exists(p) and
-                     psutil.Process(p).status() != psutil.STATUS_ZOMBIE]) and time.monotonic() < deadline:
+    while (
+        alive := [
+            p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+    ) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive, [psutil.Process(p).cmdline()[:2] for p in alive]
 
 
 async def queue_limit_scenario(url: str) -> None:
     """One request running, one queued (the limits are 1 and 1): the third gets 503."""
-    long = {"model": "smol", "prompt": "A story:", "max_tokens": 2000, "ignore_eos": True,
-            "stream": True}
+    long = {"model": "smol", "prompt": "A story:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+
         async def hold(started: asyncio.Event) -> None:
             async with c.stream("POST", "/v1/completions", json=long) as r:
                 assert r.status_code == 200
@@ -92,17 +98,48 @@ async def queue_limit_scenario(url: str) -> None:
 def test_cli_serves_queues_503_and_stops_on_sigterm(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start([sys.executable, "-m", "radixserve.cluster.cli", "serve", "--port", str(port),
-                  "--max-total-tokens", "4096", "--num-threads", "2", "--max-running-requests", "1",
-                  "--max-queued-requests", "1", "--served-model-name", "smol"], url,
-                 tmp_path / "cli.log")
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "radixserve.cluster.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--max-total-tokens",
+            "4096",
+            "--num-threads",
+            "2",
+            "--max-running-requests",
+            "1",
+            "--max-queued-requests",
+            "1",
+            "--served-model-name",
+            "smol",
+        ],
+        url,
+        tmp_path / "cli.log",
+    )
     try:
         asyncio.run(queue_limit_scenario(url))
-        with httpx.Client(base_url=url, timeout=60) as c:
-            reports = bench_serving.main(["--base-url", url, "--num-prompts", "4",
-                                          "--random-input-len", "16", "--random-output-len", "4",
-                                          "--ignore-eos", "--max-concurrency", "1",
-                                          "--output-file", str(tmp_path / "bench.json")])
+        with httpx.Client(base_url=url, timeout=60):
+            reports = bench_serving.main(
+                [
+                    "--base-url",
+                    url,
+                    "--num-prompts",
+                    "4",
+                    "--random-input-len",
+                    "16",
+                    "--random-output-len",
+                    "4",
+                    "--ignore-eos",
+                    "--max-concurrency",
+                    "1",
+                    "--output-file",
+                    str(tmp_path / "bench.json"),
+                ]
+            )
             (report,) = reports.values()
             assert (report["completed"], report["failed"], report["total_output_tokens"]) == (4, 0, 16)
             assert json.loads((tmp_path / "bench.json").read_text())["reports"]["server"]["model"] == "smol"
@@ -133,9 +170,10 @@ def test_serve_run_yaml_with_two_replicas_and_sigint(tmp_path):
                     break
                 time.sleep(0.5)
             assert len(replicas) == 2 and len({r["replica_id"] for r in replicas}) == 2
-            r = c.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                "ignore_eos": True}).json()
+            r = c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True},
+            ).json()
             assert r["usage"]["completion_tokens"] == 4
     finally:
         stop(proc, signal.SIGINT)

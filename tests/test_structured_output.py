@@ -11,26 +11,55 @@ from radixserve.workers.protocol import InvalidRequest
 from tests.engine_utils import assert_kv_invariant
 
 SCHEMAS = {
-    "person": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]}},
-        "required": ["name", "age", "city"], "additionalProperties": False},
-    "nested": {"type": "object", "properties": {
-        "order": {"type": "object", "properties": {
-            "id": {"type": "integer", "minimum": 1, "maximum": 99999},
-            "items": {"type": "array", "minItems": 1, "maxItems": 3,
-                      "items": {"type": "object", "properties": {
-                          "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
-                          "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-                          "required": ["sku", "qty"], "additionalProperties": False}}},
-            "required": ["id", "items"], "additionalProperties": False}},
-        "required": ["order"], "additionalProperties": False},
-    "numbers": {"type": "object", "properties": {
-        "score": {"type": "number", "minimum": 0, "maximum": 1},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
-        "ok": {"type": "boolean"}},
-        "required": ["score", "tags", "ok"], "additionalProperties": False},
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "order": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+                    "items": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 3,
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                                "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                            },
+                            "required": ["sku", "qty"],
+                            "additionalProperties": False,
+                        },
+                    },
+                },
+                "required": ["id", "items"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["order"],
+        "additionalProperties": False,
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["score", "tags", "ok"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -51,28 +80,33 @@ def invariant(engine):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_json_schema_outputs_validate(engine, name, temperature):
     schema = SCHEMAS[name]
-    outs = engine.generate(["Describe it as JSON:", "Here is the data:"],
-                           {"max_new_tokens": 160, "temperature": temperature, "seed": 7,
-                            "json_schema": json.dumps(schema)})
+    outs = engine.generate(
+        ["Describe it as JSON:", "Here is the data:"],
+        {"max_new_tokens": 160, "temperature": temperature, "seed": 7, "json_schema": json.dumps(schema)},
+    )
     for out in outs:
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out
         jsonschema.validate(json.loads(out["text"]), schema)
 
 
 def test_regex_and_choices_fullmatch(engine):
-    cases = [r"(yes|no)", r"[0-9]{3}-[0-9]{4}", r"(red|green|blue) (car|bike)",
-             r"[A-Z][a-z]{2,8}@example\.com"]
-    outs = engine.generate(["Answer:"] * len(cases),
-                           [{"max_new_tokens": 40, "temperature": 0.7, "seed": 3, "regex": rx}
-                            for rx in cases])
+    cases = [
+        r"(yes|no)",
+        r"[0-9]{3}-[0-9]{4}",
+        r"(red|green|blue) (car|bike)",
+        r"[A-Z][a-z]{2,8}@example\.com",
+    ]
+    outs = engine.generate(
+        ["Answer:"] * len(cases),
+        [{"max_new_tokens": 40, "temperature": 0.7, "seed": 3, "regex": rx} for rx in cases],
+    )
     for rx, out in zip(cases, outs):
         assert re.fullmatch(rx, out["text"]), (rx, out["text"])
 
 
 def test_ebnf_output_parses(engine):
     grammar = 'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [1-9] [0-9]?'
-    out = engine.generate("A sum:", {"max_new_tokens": 30, "temperature": 0.8, "seed": 1,
-                                     "ebnf": grammar})
+    out = engine.generate("A sum:", {"max_new_tokens": 30, "temperature": 0.8, "seed": 1, "ebnf": grammar})
     assert re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)*", out["text"]), out["text"]
 
 
@@ -81,44 +115,66 @@ def test_constrained_and_free_requests_batched_together(engine):
     alone = engine.generate("The capital of France is", free)
     outs = engine.generate(
         ["Person:", "The capital of France is", "Pick:"],
-        [{"max_new_tokens": 120, "temperature": 0, "json_schema": json.dumps(SCHEMAS["person"])},
-         free, {"max_new_tokens": 10, "regex": "(alpha|beta|gamma)"}])
+        [
+            {"max_new_tokens": 120, "temperature": 0, "json_schema": json.dumps(SCHEMAS["person"])},
+            free,
+            {"max_new_tokens": 10, "regex": "(alpha|beta|gamma)"},
+        ],
+    )
     jsonschema.validate(json.loads(outs[0]["text"]), SCHEMAS["person"])
     assert outs[1]["output_ids"] == alone["output_ids"]
     assert outs[2]["text"] in ("alpha", "beta", "gamma")
 
 
 def test_n_greater_than_one_and_stop_strings(engine):
-    outs = engine.generate("List:", {"max_new_tokens": 30, "temperature": 1.0, "seed": 11, "n": 3,
-                                     "regex": r"[a-z]{1,6}(, [a-z]{1,6}){2}"})
+    outs = engine.generate(
+        "List:",
+        {
+            "max_new_tokens": 30,
+            "temperature": 1.0,
+            "seed": 11,
+            "n": 3,
+            "regex": r"[a-z]{1,6}(, [a-z]{1,6}){2}",
+        },
+    )
     assert len(outs) == 3
     for o in outs:
         assert re.fullmatch(r"[a-z]{1,6}(, [a-z]{1,6}){2}", o["text"])
-    out = engine.generate("List:", {"max_new_tokens": 30, "temperature": 0,
-                                    "regex": r"[a-z]{1,6}(, [a-z]{1,6}){2}", "stop": [","]})
+    out = engine.generate(
+        "List:",
+        {"max_new_tokens": 30, "temperature": 0, "regex": r"[a-z]{1,6}(, [a-z]{1,6}){2}", "stop": [","]},
+    )
     assert "," not in out["text"] and out["meta_info"]["finish_reason"]["matched"] == ","
 
 
 def test_jump_forward_saves_steps(engine):
-    schema = {"type": "object", "properties": {
-        "customer_full_name": {"type": "string", "maxLength": 12},
-        "customer_account_identifier": {"type": "integer", "minimum": 0, "maximum": 99999}},
+    schema = {
+        "type": "object",
+        "properties": {
+            "customer_full_name": {"type": "string", "maxLength": 12},
+            "customer_account_identifier": {"type": "integer", "minimum": 0, "maximum": 99999},
+        },
         "required": ["customer_full_name", "customer_account_identifier"],
-        "additionalProperties": False}
+        "additionalProperties": False,
+    }
     before = engine.stats()["jump_forward_tokens_total"]
-    out = engine.generate("Customer record:", {"max_new_tokens": 80, "temperature": 0,
-                                               "json_schema": json.dumps(schema)})
+    out = engine.generate(
+        "Customer record:", {"max_new_tokens": 80, "temperature": 0, "json_schema": json.dumps(schema)}
+    )
     jsonschema.validate(json.loads(out["text"]), schema)
     assert engine.stats()["jump_forward_tokens_total"] - before >= 8
 
 
-@pytest.mark.parametrize("params,param_name", [
-    ({"json_schema": "{not json"}, "json_schema"),
-    ({"json_schema": json.dumps({"type": "object", "uniqueItems": True, "not": {}})}, "json_schema"),
-    ({"regex": "(unclosed"}, "regex"),
-    ({"ebnf": "root ::= "}, "ebnf"),
-    ({"regex": "a", "ebnf": "root ::= \"a\""}, "ebnf"),
-])
+@pytest.mark.parametrize(
+    "params,param_name",
+    [
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": json.dumps({"type": "object", "uniqueItems": True, "not": {}})}, "json_schema"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"ebnf": "root ::= "}, "ebnf"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
+    ],
+)
 def test_bad_grammars_refused_and_engine_keeps_serving(engine, params, param_name):
     with pytest.raises(InvalidRequest) as e:
         engine.generate("x", dict(params, max_new_tokens=5))

@@ -12,5 +12,6 @@ __all__ = ["Engine"]
 def __getattr__(name: str) -> Any:
     if name == "Engine":
         from radixserve.workers.engine.engine import Engine
+
         return Engine
     raise AttributeError(name)

@@ -12,13 +12,13 @@ import dataclasses
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 class InvalidRequest(ValueError):
     """A request parameter is invalid. `param` names the offending field (OpenAI's `param`)."""
 
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -38,24 +38,24 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: Optional[dict[int, float]] = None
+    logit_bias: dict[int, float] | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    seed: Optional[int] = None
+    seed: int | None = None
     n: int = 1
     logprobs: bool = False  # return the sampled token's logprob
     top_logprobs: int = 0  # and this many alternatives per position
     skip_special_tokens: bool = True
     # Constrained decoding: at most one of these.
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     MAX_TOP_LOGPROBS = 20
 
     @classmethod
-    def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
         """Build from a user dict (SGLang's keys); unknown keys are an error, not silently dropped."""
         d = dict(d or {})
         names = {f.name for f in dataclasses.fields(cls)}
@@ -75,7 +75,7 @@ class SamplingParams:
             try:
                 d["logit_bias"] = {int(k): float(v) for k, v in dict(d["logit_bias"]).items()}
             except (TypeError, ValueError):
-                raise InvalidRequest("'logit_bias' must map token ids to numbers", "logit_bias")
+                raise InvalidRequest("'logit_bias' must map token ids to numbers", "logit_bias") from None
         params = cls(**d)
         params.validate()
         return params
@@ -83,7 +83,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def validate(self, vocab_size: Optional[int] = None) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
         def bad(msg: str, param: str) -> None:
             raise InvalidRequest(msg, param)
 
@@ -94,8 +94,14 @@ class SamplingParams:
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs"):
             number(name, getattr(self, name), integer=True)
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
             number(name, getattr(self, name))
         if self.max_new_tokens < 0:
             bad("'max_new_tokens' must be >= 0", "max_new_tokens")
@@ -136,8 +142,7 @@ class SamplingParams:
                     bad("logit_bias values must be in [-100, 100]", "logit_bias")
         grammars = [g for g in ("json_schema", "regex", "ebnf") if getattr(self, g) is not None]
         if len(grammars) > 1:
-            bad(f"only one of json_schema, regex, ebnf may be given (got {', '.join(grammars)})",
-                grammars[1])
+            bad(f"only one of json_schema, regex, ebnf may be given (got {', '.join(grammars)})", grammars[1])
         for g in grammars:
             if not isinstance(getattr(self, g), str):
                 bad(f"'{g}' must be a string", g)
@@ -147,7 +152,7 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
-    def grammar(self) -> Optional[tuple[str, str]]:
+    def grammar(self) -> tuple[str, str] | None:
         """(kind, text) of the constraint, or None."""
         for kind in ("json_schema", "regex", "ebnf"):
             text = getattr(self, kind)
@@ -163,18 +168,27 @@ class GenerateRequest:
     input_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    namespace: Optional[str] = None  # cache isolation key (tenant salt; LoRA id later)
+    namespace: str | None = None  # cache isolation key (tenant salt; LoRA id later)
     stream: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"input_ids": list(self.input_ids), "sampling_params": self.sampling_params.to_dict(),
-                "rid": self.rid, "namespace": self.namespace, "stream": self.stream}
+        return {
+            "input_ids": list(self.input_ids),
+            "sampling_params": self.sampling_params.to_dict(),
+            "rid": self.rid,
+            "namespace": self.namespace,
+            "stream": self.stream,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GenerateRequest":
-        return cls(input_ids=list(d["input_ids"]),
-                   sampling_params=SamplingParams.from_dict(d.get("sampling_params")),
-                   rid=d["rid"], namespace=d.get("namespace"), stream=bool(d.get("stream")))
+    def from_dict(cls, d: dict[str, Any]) -> GenerateRequest:
+        return cls(
+            input_ids=list(d["input_ids"]),
+            sampling_params=SamplingParams.from_dict(d.get("sampling_params")),
+            rid=d["rid"],
+            namespace=d.get("namespace"),
+            stream=bool(d.get("stream")),
+        )
 
 
 @dataclass
@@ -196,14 +210,14 @@ class OutputChunk:
     index: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: Optional[list[TokenLogprob]] = None
+    logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     # {"type": "stop" | "length" | "abort", "matched": str | int | None, "message": str?}
-    finish_reason: Optional[dict[str, Any]] = None
+    finish_reason: dict[str, Any] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    e2e_latency: Optional[float] = None
+    e2e_latency: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -212,7 +226,7 @@ class OutputChunk:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "OutputChunk":
+    def from_dict(cls, d: dict[str, Any]) -> OutputChunk:
         d = dict(d)
         if d.get("logprobs") is not None:
             d["logprobs"] = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in d["logprobs"]]
@@ -241,12 +255,18 @@ class ReplicaStats:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ReplicaStats":
+    def from_dict(cls, d: dict[str, Any]) -> ReplicaStats:
         return cls(**d)
 
 
 class QueueFull(RuntimeError):
     """The replica's waiting queue is at `max_queued_requests`: the HTTP layer answers 503."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed to serve a request through no fault of the request (a failed step, a
+    replica going away). The message is for the server log; clients get a generic 500 (or an
+    in-band error event once a stream has started) that carries only `request_id`."""
 
 
 @dataclass
@@ -259,7 +279,7 @@ class ModelCard:
     """
 
     served_model_name: str
-    model_path: Optional[str]
+    model_path: str | None
     context_length: int
     vocab_size: int
     eos_token_ids: list[int]
@@ -269,17 +289,21 @@ class ModelCard:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelCard":
+    def from_dict(cls, d: dict[str, Any]) -> ModelCard:
         return cls(**d)
 
 
 def encode_error(exc: Exception) -> dict[str, Any]:
-    """A replica's refusal (InvalidRequest / QueueFull) as a message: `{"error": {...}}`."""
+    """A replica's refusal or failure (InvalidRequest / QueueFull / EngineError) as a message:
+    `{"error": {...}}`."""
     if isinstance(exc, InvalidRequest):
-        return {"error": {"kind": "invalid_request", "message": exc.message,
-                          "param": exc.param, "code": exc.code}}
+        return {
+            "error": {"kind": "invalid_request", "message": exc.message, "param": exc.param, "code": exc.code}
+        }
     if isinstance(exc, QueueFull):
         return {"error": {"kind": "queue_full", "message": str(exc) or "queue full"}}
+    if isinstance(exc, EngineError):
+        return {"error": {"kind": "engine_error", "message": str(exc) or "engine error"}}
     raise TypeError(f"not a protocol error: {type(exc).__name__}")
 
 
@@ -290,4 +314,6 @@ def decode_error(d: dict[str, Any]) -> Exception:
         return InvalidRequest(err["message"], err.get("param"), err.get("code"))
     if err["kind"] == "queue_full":
         return QueueFull(err["message"])
+    if err["kind"] == "engine_error":
+        return EngineError(err["message"])
     raise ValueError(f"unknown error kind {err['kind']!r}")

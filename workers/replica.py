@@ -11,12 +11,19 @@ import asyncio
 import logging
 import os
 import tempfile
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any
 
 from ray import serve
 
-from radixserve.workers.protocol import (GenerateRequest, InvalidRequest, ModelCard, OutputChunk,
-                                         QueueFull, encode_error)
+from radixserve.workers.protocol import (
+    GenerateRequest,
+    InvalidRequest,
+    ModelCard,
+    OutputChunk,
+    QueueFull,
+    encode_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +50,13 @@ def tokenizer_files(tokenizer: Any) -> dict[str, str]:
     return files
 
 
-@serve.deployment(name="EngineReplica", max_ongoing_requests=MAX_ONGOING_REQUESTS,
-                  health_check_period_s=10, health_check_timeout_s=60,
-                  graceful_shutdown_timeout_s=5)
+@serve.deployment(
+    name="EngineReplica",
+    max_ongoing_requests=MAX_ONGOING_REQUESTS,
+    health_check_period_s=10,
+    health_check_timeout_s=60,
+    graceful_shutdown_timeout_s=5,
+)
 class EngineReplica:
     def __init__(self, engine_kwargs: dict[str, Any]):
         from radixserve.workers.engine.engine import Engine  # heavy: torch + the model
@@ -84,13 +95,17 @@ class EngineReplica:
     async def model_card(self) -> dict[str, Any]:
         cfg = self.engine.model_config
         # The engine caps a requested context length at the model's (EngineCore does the same).
-        context_length = min(self.engine_kwargs.get("context_length") or cfg.context_length,
-                             cfg.context_length)
-        return ModelCard(served_model_name=self.engine.served_model_name,
-                         model_path=self.engine_kwargs.get("model_path"),
-                         context_length=int(context_length), vocab_size=len(self.engine.tokenizer),
-                         eos_token_ids=[int(t) for t in cfg.eos_token_ids],
-                         tokenizer_files=tokenizer_files(self.engine.tokenizer)).to_dict()
+        context_length = min(
+            self.engine_kwargs.get("context_length") or cfg.context_length, cfg.context_length
+        )
+        return ModelCard(
+            served_model_name=self.engine.served_model_name,
+            model_path=self.engine_kwargs.get("model_path"),
+            context_length=int(context_length),
+            vocab_size=len(self.engine.tokenizer),
+            eos_token_ids=[int(t) for t in cfg.eos_token_ids],
+            tokenizer_files=tokenizer_files(self.engine.tokenizer),
+        ).to_dict()
 
     async def stats(self) -> dict[str, Any]:
         s = self.engine.replica_stats()
@@ -116,6 +131,6 @@ class EngineReplica:
         return bool(self.engine.abort(rid))
 
     def __del__(self) -> None:
-        engine: Optional[Any] = getattr(self, "engine", None)
+        engine: Any | None = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

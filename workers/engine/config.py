@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from radixserve.workers.engine.radix_cache import EVICTION_POLICIES
+from radixserve.workers.mem_cache.radix_cache import EVICTION_POLICIES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 
@@ -20,35 +20,39 @@ OVERLAP_BY_DEVICE = {"cpu": False, "cuda": True}
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: Optional[str] = None  # None = the embedded default model
-    served_model_name: Optional[str] = None
+    model_path: str | None = None  # None = the embedded default model
+    served_model_name: str | None = None
     dtype: str = "auto"  # auto = bf16 where the CPU/GPU supports it, else fp32
     device: str = "auto"
-    context_length: Optional[int] = None  # default: the model's
-    mem_fraction_static: Optional[float] = None  # share of memory for weights + KV pool
-    max_total_tokens: Optional[int] = None  # KV pool size in tokens (wins over mem_fraction_static)
+    context_length: int | None = None  # default: the model's
+    mem_fraction_static: float | None = None  # share of memory for weights + KV pool
+    max_total_tokens: int | None = None  # KV pool size in tokens (wins over mem_fraction_static)
     page_size: int = 1
     max_running_requests: int = 64
-    max_queued_requests: Optional[int] = None  # None = unbounded
+    max_queued_requests: int | None = None  # None = unbounded
     max_prefill_tokens: int = 8192  # token budget of one prefill batch
     chunked_prefill_size: int = 2048  # -1 or 0 disables chunking
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu (radix_cache.py)
-    enable_overlap: Optional[bool] = None  # None = on where it measures faster
+    enable_overlap: bool | None = None  # None = on where it measures faster
     attention_backend: str = "auto"
     random_seed: int = 0
-    num_threads: Optional[int] = None  # torch intra-op threads; None = all cores
+    num_threads: int | None = None  # torch intra-op threads; None = all cores
     grammar_compile_timeout_s: float = 10.0
     enable_jump_forward: bool = True  # append grammar-forced tokens without a decode step each
     stream_interval: int = 1  # stream every N tokens
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
         if self.radix_eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"radix_eviction_policy must be one of {EVICTION_POLICIES}, "
-                             f"got {self.radix_eviction_policy!r}")
+            raise ValueError(
+                f"radix_eviction_policy must be one of {EVICTION_POLICIES}, "
+                f"got {self.radix_eviction_policy!r}"
+            )
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.max_running_requests < 1:
@@ -63,7 +67,7 @@ class EngineConfig:
             raise ValueError("stream_interval must be >= 1")
 
     @classmethod
-    def from_kwargs(cls, model_path: Optional[str] = None, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, model_path: str | None = None, **kwargs: Any) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -77,5 +81,7 @@ class EngineConfig:
         return OVERLAP_BY_DEVICE.get(device_type, False)
 
     @property
-    def chunk_size(self) -> Optional[int]:
-        return self.chunked_prefill_size if self.chunked_prefill_size and self.chunked_prefill_size > 0 else None
+    def chunk_size(self) -> int | None:
+        return (
+            self.chunked_prefill_size if self.chunked_prefill_size and self.chunked_prefill_size > 0 else None
+        )

@@ -12,7 +12,7 @@ so a stop string never leaks partially into a stream, and nothing after a match 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT = 5  # prompt tokens decoded before the first output token, for its leading space
@@ -25,8 +25,13 @@ class IncrementalDetokenizer:
     `tokenizer.decode(output_ids, skip_special_tokens=...)`, cut before the first stop string.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True,
-                 stop: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: tuple[str, ...] = (),
+    ):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._special = _special_ids(tokenizer) if skip_special_tokens else frozenset()
@@ -39,7 +44,7 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._pending = ""  # decoded but not yet emitted (a possible stop-string prefix)
         self._chunks: list[str] = []  # emitted text
-        self.stop_matched: Optional[str] = None
+        self.stop_matched: str | None = None
 
     @property
     def text(self) -> str:
@@ -50,7 +55,7 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.stop_matched is not None
 
-    def add(self, token_ids: list[int]) -> tuple[str, Optional[str]]:
+    def add(self, token_ids: list[int]) -> tuple[str, str | None]:
         """Feed newly generated tokens. Returns (text safe to emit now, stop string matched now or None).
         After a match every further call returns ("", None)."""
         if self.stopped:
@@ -68,7 +73,7 @@ class IncrementalDetokenizer:
             return ""
         if self._read_offset < len(self._ids):
             prefix = self._decode(self._prefix_offset, self._read_offset)
-            self._pending += self._decode(self._prefix_offset, len(self._ids))[len(prefix):]
+            self._pending += self._decode(self._prefix_offset, len(self._ids))[len(prefix) :]
             self._prefix_offset = self._read_offset = len(self._ids)
         return self._release(final=True)[0]
 
@@ -82,9 +87,9 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
-    def _release(self, final: bool) -> tuple[str, Optional[str]]:
+    def _release(self, final: bool) -> tuple[str, str | None]:
         """Move pending text to the output, up to a stop match or a possible stop prefix."""
         pending = self._pending
         match_at, match = _first_match(pending, self._stops)
@@ -93,8 +98,8 @@ class IncrementalDetokenizer:
             self.stop_matched = match
             return self._emit(pending[:match_at]), match
         keep = 0 if final else _held_suffix(pending, self._stops, self._max_stop)
-        self._pending = pending[len(pending) - keep:] if keep else ""
-        return self._emit(pending[:len(pending) - keep]), None
+        self._pending = pending[len(pending) - keep :] if keep else ""
+        return self._emit(pending[: len(pending) - keep]), None
 
     def _emit(self, s: str) -> str:
         if s:
@@ -102,7 +107,7 @@ class IncrementalDetokenizer:
         return s
 
 
-def _first_match(text: str, stops: tuple[str, ...]) -> tuple[int, Optional[str]]:
+def _first_match(text: str, stops: tuple[str, ...]) -> tuple[int, str | None]:
     """Earliest stop string in text; on a tie the shorter one (it completed first)."""
     best_at, best = len(text) + 1, None
     for s in stops:

@@ -13,14 +13,21 @@ import logging
 import queue
 import threading
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Optional
+from typing import Any
 
-from radixserve.kernels.cpu_runtime import on_short_lived_thread
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.engine_core import EngineCore
-from radixserve.workers.protocol import (GenerateRequest, InvalidRequest, OutputChunk, QueueFull,
-                                         ReplicaStats, SamplingParams)
+from radixserve.workers.executor.cpu_runtime import on_short_lived_thread
+from radixserve.workers.protocol import (
+    GenerateRequest,
+    InvalidRequest,
+    OutputChunk,
+    QueueFull,
+    ReplicaStats,
+    SamplingParams,
+)
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -40,7 +47,7 @@ class RequestStream:
         self.remaining = n  # consumer side
         self.finals_sent = 0  # engine side
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> OutputChunk:
@@ -58,13 +65,13 @@ class RequestStream:
 class Engine:
     """The public offline API (SGLang's shape): `Engine(model_path=None, **server_args)`."""
 
-    def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+    def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model_path, **kwargs)
         self.core = on_short_lived_thread(EngineCore, self.config)
         self.tokenizer = self.core.tokenizer
         self.model_config = self.core.model_config
         self.served_model_name = self.core.served_model_name
-        self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._stopped = False
@@ -123,8 +130,9 @@ class Engine:
         return self.core.stats()
 
     def replica_stats(self) -> ReplicaStats:
-        return ReplicaStats(**{k: v for k, v in self.core.stats().items()
-                               if k in ReplicaStats.__dataclass_fields__})
+        return ReplicaStats(
+            **{k: v for k, v in self.core.stats().items() if k in ReplicaStats.__dataclass_fields__}
+        )
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -143,8 +151,9 @@ class Engine:
     def _requests(self, prompt, sampling_params, input_ids) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of prompt or input_ids", "prompt")
-        batched = isinstance(prompt, list) or (input_ids is not None and input_ids
-                                               and isinstance(input_ids[0], list))
+        batched = isinstance(prompt, list) or (
+            input_ids is not None and input_ids and isinstance(input_ids[0], list)
+        )
         if input_ids is None:
             prompts = prompt if isinstance(prompt, list) else [prompt]
             id_lists = [self.tokenizer.encode(p) for p in prompts]
@@ -153,8 +162,10 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
         if len(params) != len(id_lists):
             raise InvalidRequest("sampling_params list must match the number of prompts", "sampling_params")
-        reqs = [GenerateRequest(input_ids=list(ids), sampling_params=SamplingParams.from_dict(p))
-                for ids, p in zip(id_lists, params)]
+        reqs = [
+            GenerateRequest(input_ids=list(ids), sampling_params=SamplingParams.from_dict(p))
+            for ids, p in zip(id_lists, params)
+        ]
         return reqs, batched
 
     async def _collect(self, request: GenerateRequest) -> list[dict[str, Any]]:
@@ -163,8 +174,7 @@ class Engine:
             _merge(outs.setdefault(chunk.index, _empty_result(request.rid)), chunk)
         return [outs[i] for i in sorted(outs)]
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
-                             stream: bool = False):
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
         """Returns the result dict (a list for batched input or n > 1); with stream=True an async
         iterator of cumulative result dicts, one per new chunk."""
         reqs, batched = self._requests(prompt, sampling_params, input_ids)
@@ -206,7 +216,7 @@ class Engine:
         self._deliver(self.core.fail_all("engine shut down"))
         self.core.close()
 
-    def _drain_inbox(self, timeout: Optional[float]) -> bool:
+    def _drain_inbox(self, timeout: float | None) -> bool:
         """Run pending commands; wait up to `timeout` for the first one (None: do not wait)."""
         while True:
             try:
@@ -255,9 +265,18 @@ def _put_all(batch: list) -> None:
 
 
 def _empty_result(rid: str) -> dict[str, Any]:
-    return {"text": "", "output_ids": [], "meta_info": {
-        "id": rid, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-        "finish_reason": None, "e2e_latency": None}}
+    return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": rid,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "finish_reason": None,
+            "e2e_latency": None,
+        },
+    }
 
 
 def _merge(out: dict[str, Any], chunk: OutputChunk) -> None:
@@ -266,9 +285,14 @@ def _merge(out: dict[str, Any], chunk: OutputChunk) -> None:
     meta = out["meta_info"]
     if chunk.logprobs is not None:
         meta.setdefault("output_token_logprobs", []).extend(
-            (lp.logprob, lp.token_id) for lp in chunk.logprobs)
+            (lp.logprob, lp.token_id) for lp in chunk.logprobs
+        )
         meta.setdefault("output_top_logprobs", []).extend(lp.top for lp in chunk.logprobs)
     if chunk.finished:
-        meta.update(prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
-                    cached_tokens=chunk.cached_tokens, finish_reason=chunk.finish_reason,
-                    e2e_latency=chunk.e2e_latency)
+        meta.update(
+            prompt_tokens=chunk.prompt_tokens,
+            completion_tokens=chunk.completion_tokens,
+            cached_tokens=chunk.cached_tokens,
+            finish_reason=chunk.finish_reason,
+            e2e_latency=chunk.e2e_latency,
+        )

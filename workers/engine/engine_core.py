@@ -14,24 +14,30 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from radixserve.workers.constrained.grammar_backend import GrammarBackend
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.detokenizer import IncrementalDetokenizer
-from radixserve.workers.engine.forward_worker import ForwardJob, ForwardWorker
-from radixserve.workers.engine.grammar import GrammarBackend
-from radixserve.workers.engine.kv_pool import KVPool, ReqToTokenPool, max_tokens_for_memory
-from radixserve.workers.engine.model_runner import ModelRunner
 from radixserve.workers.engine.output_processor import OutputProcessor
-from radixserve.workers.engine.radix_cache import NullCache, RadixCache
 from radixserve.workers.engine.request import Req, ReqStatus
-from radixserve.workers.engine.sampler import Sampler
-from radixserve.workers.engine.scheduler import BatchKind, Scheduler
+from radixserve.workers.engine.scheduler import Scheduler
 from radixserve.workers.engine.step_stats import StepStats
+from radixserve.workers.executor.cpu_runtime import tune_malloc
+from radixserve.workers.executor.forward_worker import ForwardJob, ForwardWorker
+from radixserve.workers.executor.model_runner import ModelRunner
+from radixserve.workers.executor.plan import BatchKind
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.mem_cache.memory import max_tokens_for_memory
+from radixserve.workers.mem_cache.prefix_cache import NullCache
+from radixserve.workers.mem_cache.radix_cache import RadixCache
+from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.workers.models.loader import load_model
 from radixserve.workers.protocol import GenerateRequest, InvalidRequest
+from radixserve.workers.sampling.sampler import Sampler
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -47,45 +53,76 @@ class EngineCore:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model_path, dtype=None if config.dtype == "auto" else config.dtype,
-                            attention_backend=config.attention_backend)
+        tune_malloc()
+        loaded = load_model(
+            config.model_path,
+            dtype=None if config.dtype == "auto" else config.dtype,
+            attention_backend=config.attention_backend,
+        )
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.model_path
         self.served_model_name = config.served_model_name or loaded.name
-        self.context_length = min(config.context_length or mc.context_length, mc.context_length) \
-            if config.context_length else mc.context_length
-        self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, self._pool_tokens(loaded),
-                           dtype=mc.dtype, page_size=config.page_size)
+        self.context_length = (
+            min(config.context_length or mc.context_length, mc.context_length)
+            if config.context_length
+            else mc.context_length
+        )
+        self.pool = KVPool(
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self._pool_tokens(loaded),
+            dtype=mc.dtype,
+            page_size=config.page_size,
+        )
         self.req_pool = ReqToTokenPool(config.max_running_requests + 1, self.context_length + 1)
-        self.cache = (NullCache(self.pool, page_size=config.page_size) if config.disable_radix_cache else
-                      RadixCache(self.pool, page_size=config.page_size, eviction_policy=config.radix_eviction_policy))
+        self.cache = (
+            NullCache(self.pool, page_size=config.page_size)
+            if config.disable_radix_cache
+            else RadixCache(
+                self.pool, page_size=config.page_size, eviction_policy=config.radix_eviction_policy
+            )
+        )
         self.scheduler = Scheduler(config, self.pool, self.req_pool, self.cache)
         self.runner = ModelRunner(loaded.model, self.pool, self.req_pool)
         self.vocab_size = len(self.tokenizer)
         self.sampler = Sampler(self.vocab_size, mc.eos_token_ids, seed=config.random_seed)
-        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.context_length,
-                                       config.stream_interval, config.enable_jump_forward)
+        self.outputs = OutputProcessor(
+            self.tokenizer,
+            mc.eos_token_ids,
+            self.context_length,
+            config.stream_interval,
+            config.enable_jump_forward,
+        )
         self.overlap = config.overlap_for(next(loaded.model.parameters()).device.type)
         self.worker = ForwardWorker(self.runner, self.sampler, threaded=self.overlap)
-        self._prev: Optional[ForwardJob] = None  # overlap: the step whose text is still to do
-        self._grammars: Optional[GrammarBackend] = None
-        self._bitmask: Optional[torch.Tensor] = None
+        self._prev: ForwardJob | None = None  # overlap: the step whose text is still to do
+        self._grammars: GrammarBackend | None = None
+        self._bitmask: torch.Tensor | None = None
         self.grammar_wait: list[tuple[Any, list[Req]]] = []  # (compile future, sequences)
         self.streaming: set[str] = set()
         self.by_rid: dict[str, list[Req]] = {}
         self.unsent: set[str] = set()  # keys of sequences whose final chunk has not gone out
         self.timing = StepStats()
-        self.counters = dict(prompt_tokens_total=0, cached_tokens_total=0, computed_tokens_total=0,
-                             num_requests_total=0, num_aborted_total=0)
+        self.counters = dict(
+            prompt_tokens_total=0,
+            cached_tokens_total=0,
+            computed_tokens_total=0,
+            num_requests_total=0,
+            num_aborted_total=0,
+        )
 
     @property
     def grammars(self) -> GrammarBackend:
         """Built on first use: making xgrammar's view of the vocabulary takes a moment."""
         if self._grammars is None:
             self._grammars = GrammarBackend(
-                self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
-                compile_timeout_s=self.config.grammar_compile_timeout_s)
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.model_config.eos_token_ids,
+                compile_timeout_s=self.config.grammar_compile_timeout_s,
+            )
             self._bitmask = self._grammars.allocate_bitmask(self.config.max_running_requests + 1)
         return self._grammars
 
@@ -112,10 +149,15 @@ class EngineCore:
                 f"This model's maximum context length is {self.context_length} tokens. However, you "
                 f"requested {len(ids) + p.max_new_tokens} tokens ({len(ids)} in the prompt, "
                 f"{p.max_new_tokens} for the completion). Please reduce the prompt or max tokens.",
-                "max_tokens", code="context_length_exceeded")
+                "max_tokens",
+                code="context_length_exceeded",
+            )
         if len(ids) >= self.pool.size:
-            raise InvalidRequest(f"the prompt ({len(ids)} tokens) does not fit in the KV cache "
-                                 f"({self.pool.size} tokens)", "prompt", code="context_length_exceeded")
+            raise InvalidRequest(
+                f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.pool.size} tokens)",
+                "prompt",
+                code="context_length_exceeded",
+            )
         if p.grammar is not None:
             self.grammars.validate(*p.grammar)  # malformed grammars: 400 before queueing
         reqs = []
@@ -137,10 +179,18 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
-        return dict(running=len(sched.running), queued=len(sched.waiting), kv_total=self.pool.size,
-                    kv_free=self.pool.available(), kv_evictable=self.cache.evictable_size(),
-                    kv_protected=self.cache.protected_size(), num_retractions=sched.num_retractions,
-                    **self.counters, **self.outputs.counters, **self.timing.summary())
+        return dict(
+            running=len(sched.running),
+            queued=len(sched.waiting),
+            kv_total=self.pool.size,
+            kv_free=self.pool.available(),
+            kv_evictable=self.cache.evictable_size(),
+            kv_protected=self.cache.protected_size(),
+            num_retractions=sched.num_retractions,
+            **self.counters,
+            **self.outputs.counters,
+            **self.timing.summary(),
+        )
 
     # Engine thread ---------------------------------------------------------------------------
     def add(self, reqs: list[Req]) -> None:
@@ -154,7 +204,7 @@ class EngineCore:
         for r in reqs:
             self.scheduler.add(r)
 
-    def idle_timeout(self) -> Optional[float]:
+    def idle_timeout(self) -> float | None:
         """How long the loop may block for new commands: not at all while there is work."""
         if self.scheduler.has_work() or self._prev is not None:
             return None
@@ -235,15 +285,23 @@ class EngineCore:
         hidden = max(0.0, min(t2, job.ended_at) - job.launched_at)
         self._record(job, host=(t1 - t0) + (time.perf_counter() - t3), text=t2 - t1, hidden=hidden)
 
-    def _record(self, job: Optional[ForwardJob], host: float, text: float, hidden: float) -> None:
+    def _record(self, job: ForwardJob | None, host: float, text: float, hidden: float) -> None:
         if job is None:
             self.timing.record_idle(host, text)
             return
         plan = job.plan
-        self.timing.record(plan.kind.value, len(plan.reqs), plan.num_tokens, schedule=host,
-                           forward=job.forward_s, sample=job.sample_s, text=text, hidden=hidden)
+        self.timing.record(
+            plan.kind.value,
+            len(plan.reqs),
+            plan.num_tokens,
+            schedule=host,
+            forward=job.forward_s,
+            sample=job.sample_s,
+            text=text,
+            hidden=hidden,
+        )
 
-    def _begin(self, out: list) -> Optional[ForwardJob]:
+    def _begin(self, out: list) -> ForwardJob | None:
         """Step-boundary housekeeping (nothing is in flight), then the next plan and its tensors."""
         if self.grammar_wait:
             self._poll_grammars(out)
@@ -277,7 +335,7 @@ class EngineCore:
                 req.finish("length")
         self.outputs.append_sampled(job.reqs, job.tokens, job.logprobs)
 
-    def _apply_text(self, job: Optional[ForwardJob], out: list) -> None:
+    def _apply_text(self, job: ForwardJob | None, out: list) -> None:
         """Text-level results of a step: detokenize, match stop strings, build chunks."""
         if job is None:
             return

@@ -10,9 +10,9 @@ chunks).
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
-from radixserve.workers.engine.grammar import jump_forward_tokens
+from radixserve.workers.constrained.grammar import jump_forward_tokens
 from radixserve.workers.engine.request import Req
 from radixserve.workers.protocol import OutputChunk, TokenLogprob
 
@@ -25,24 +25,30 @@ class PendingOutput:
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.text = ""
-        self.logprobs: Optional[list[TokenLogprob]] = None
+        self.logprobs: list[TokenLogprob] | None = None
         self.undecoded = 0  # trailing token_ids not yet fed to the detokenizer
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, eos_token_ids: list[int], context_length: int,
-                 stream_interval: int = 1, jump_forward: bool = True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_token_ids: list[int],
+        context_length: int,
+        stream_interval: int = 1,
+        jump_forward: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self.context_length = context_length
         self.stream_interval = stream_interval
         self.jump_forward = jump_forward
         self.pending: dict[str, PendingOutput] = {}
-        self.counters = dict(generation_tokens_total=0, jump_forward_tokens_total=0,
-                             dropped_tokens_total=0)
+        self.counters = dict(generation_tokens_total=0, jump_forward_tokens_total=0, dropped_tokens_total=0)
 
-    def append_sampled(self, reqs: list[Req], tokens: list[int],
-                       logprobs: Optional[list[Optional[TokenLogprob]]]) -> None:
+    def append_sampled(
+        self, reqs: list[Req], tokens: list[int], logprobs: list[TokenLogprob | None] | None
+    ) -> None:
         """A step's sampled tokens, one per sequence, then the tokens grammars force after them."""
         for k, req in enumerate(reqs):
             if req.finish_reason is not None:
@@ -64,7 +70,7 @@ class OutputProcessor:
         """Append the tokens the grammar forces; the next step computes them all in one extend
         instead of one decode step each."""
         forced = jump_forward_tokens(self.tokenizer, req.grammar, req.output_ids[-1])
-        for token in forced[:req.max_new_remaining]:
+        for token in forced[: req.max_new_remaining]:
             self.append_token(req, token, None, accepted=True)
             self.counters["jump_forward_tokens_total"] += 1
             if eager:
@@ -72,8 +78,9 @@ class OutputProcessor:
             if req.finish_reason is not None:
                 break
 
-    def append_token(self, req: Req, token: int, logprob: Optional[TokenLogprob],
-                     accepted: bool = False) -> None:
+    def append_token(
+        self, req: Req, token: int, logprob: TokenLogprob | None, accepted: bool = False
+    ) -> None:
         """Record one sampled token and finish the sequence if a token-level stop condition holds.
         The token's text is produced later, by `detokenize`."""
         if req.first_token_at is None:
@@ -111,7 +118,7 @@ class OutputProcessor:
         out = self.pending.get(req.key)
         if out is None or not out.undecoded:
             return False
-        new = out.token_ids[len(out.token_ids) - out.undecoded:]
+        new = out.token_ids[len(out.token_ids) - out.undecoded :]
         out.undecoded = 0
         for token in new:
             text, matched = req.detokenizer.add([token])
@@ -121,7 +128,7 @@ class OutputProcessor:
                 return True
         return False
 
-    def take_chunk(self, req: Req, force: bool = False) -> Optional[OutputChunk]:
+    def take_chunk(self, req: Req, force: bool = False) -> OutputChunk | None:
         """The chunk to send now, if any: streaming sends every `stream_interval` tokens, the final
         chunk always goes, and a non-streaming request gets one chunk at the end. Detokenizes what
         is still undecoded first."""
@@ -135,9 +142,15 @@ class OutputProcessor:
             return None
         else:
             del self.pending[req.key]
-        chunk = OutputChunk(rid=req.rid, index=req.index, token_ids=out.token_ids, text=out.text,
-                            logprobs=out.logprobs, finished=final,
-                            finish_reason=req.finish_reason if final else None)
+        chunk = OutputChunk(
+            rid=req.rid,
+            index=req.index,
+            token_ids=out.token_ids,
+            text=out.text,
+            logprobs=out.logprobs,
+            finished=final,
+            finish_reason=req.finish_reason if final else None,
+        )
         if final:
             chunk.prompt_tokens = len(req.origin_input_ids)
             chunk.completion_tokens = len(req.output_ids)

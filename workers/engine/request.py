@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Optional
+from typing import Any
 
 from radixserve.workers.protocol import SamplingParams
 
@@ -23,8 +23,15 @@ class Req:
     request's own until it hands them to the cache at the end.
     """
 
-    def __init__(self, rid: str, index: int, input_ids: list[int], params: SamplingParams,
-                 namespace: Optional[str] = None, arrival: Optional[float] = None):
+    def __init__(
+        self,
+        rid: str,
+        index: int,
+        input_ids: list[int],
+        params: SamplingParams,
+        namespace: str | None = None,
+        arrival: float | None = None,
+    ):
         self.rid = rid  # the user's request id; n > 1 sequences share it
         self.index = index  # sequence number within the request
         self.key = f"{rid}#{index}"
@@ -33,19 +40,19 @@ class Req:
         self.params = params
         self.namespace = namespace
         self.status = ReqStatus.WAITING
-        self.finish_reason: Optional[dict[str, Any]] = None
+        self.finish_reason: dict[str, Any] | None = None
         # KV state
         self.kv_slots: list[int] = []
         self.cache_len = 0  # leading kv_slots owned by the radix tree
         self.last_node: Any = None  # locked tree node covering kv_slots[:cache_len]
-        self.row: Optional[int] = None  # ReqToTokenPool row while running
+        self.row: int | None = None  # ReqToTokenPool row while running
         self.table_len = 0  # how many kv_slots are written into that row
         # Accounting
-        self.cached_tokens: Optional[int] = None  # prompt tokens reused at first admission
+        self.cached_tokens: int | None = None  # prompt tokens reused at first admission
         self.num_retractions = 0
         self.arrival = arrival if arrival is not None else time.monotonic()
-        self.admitted_at: Optional[float] = None
-        self.first_token_at: Optional[float] = None
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
         # Per-sequence helpers attached by the engine (generator, detokenizer, grammar).
         self.generator: Any = None
         self.detokenizer: Any = None
@@ -85,12 +92,14 @@ class Req:
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 
-    def finish(self, kind: str, matched: Any = None, message: Optional[str] = None) -> None:
+    def finish(self, kind: str, matched: Any = None, message: str | None = None) -> None:
         if self.finish_reason is None:
             self.finish_reason = {"type": kind, "matched": matched}
             if message:
                 self.finish_reason["message"] = message
 
     def __repr__(self) -> str:
-        return (f"Req({self.key}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
-                f"computed={self.num_computed}, cache_len={self.cache_len}, {self.status.value})")
+        return (
+            f"Req({self.key}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
+            f"computed={self.num_computed}, cache_len={self.cache_len}, {self.status.value})"
+        )

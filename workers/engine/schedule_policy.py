@@ -71,7 +71,7 @@ class InBatchDedup:
     def should_defer(self, req: Req, cached_len: int) -> bool:
         if not self.enabled:
             return False
-        head = tuple(req.fill_ids[cached_len:cached_len + DEDUP_PREFIX_TOKENS])
+        head = tuple(req.fill_ids[cached_len : cached_len + DEDUP_PREFIX_TOKENS])
         if len(head) < DEDUP_PREFIX_TOKENS:
             return False
         key = (req.namespace, cached_len, head)

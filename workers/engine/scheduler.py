@@ -7,14 +7,13 @@ returns a plan; the model runner turns the plan into tensors.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.schedule_policy import InBatchDedup, SchedulePolicy, match_key
+from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 
 # Memory reserved for the future tokens of running requests is an estimate: each running request
 # is assumed to need `ratio * min(remaining max_new_tokens, CLIP)` more slots. The ratio decays
@@ -23,28 +22,6 @@ CLIP_MAX_NEW_TOKENS = 4096
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-
-
-class BatchKind(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-@dataclass
-class ScheduledBatch:
-    """A plan: for each request, compute positions [start, start + extend_len)."""
-
-    kind: BatchKind
-    reqs: list[Req]
-    starts: list[int]
-    extend_lens: list[int]
-    # Requests whose last computed position this step is the last of their sequence: a token is
-    # sampled for them. The others are mid-way through a chunked prefill.
-    sample_mask: list[bool] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
 
 
 class Scheduler:
@@ -81,7 +58,7 @@ class Scheduler:
         return out + gone
 
     # Planning --------------------------------------------------------------------------------
-    def schedule(self) -> Optional[ScheduledBatch]:
+    def schedule(self) -> ScheduledBatch | None:
         batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
@@ -92,13 +69,14 @@ class Scheduler:
         return min(self.config.max_prefill_tokens, chunk) if chunk else self.config.max_prefill_tokens
 
     def _reserved_for_running(self) -> int:
-        return int(sum(min(r.max_new_remaining, CLIP_MAX_NEW_TOKENS) for r in self.running)
-                   * self.new_token_ratio)
+        return int(
+            sum(min(r.max_new_remaining, CLIP_MAX_NEW_TOKENS) for r in self.running) * self.new_token_ratio
+        )
 
     def _headroom(self) -> int:
         return self.pool.available() + self.cache.evictable_size() - self._reserved_for_running()
 
-    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+    def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self._token_budget()
         plan = ScheduledBatch(BatchKind.PREFILL, [], [], [], [])
         # Chunked prefills in progress continue first.
@@ -135,7 +113,7 @@ class Scheduler:
         if admitted:
             self.waiting = deque(r for r in self.waiting if r.key not in admitted)
 
-    def _try_admit(self, req: Req, budget: int, chunked: bool, first: bool) -> Optional[int]:
+    def _try_admit(self, req: Req, budget: int, chunked: bool, first: bool) -> int | None:
         """Lock the request's cached prefix and allocate its first chunk; None if it must wait."""
         row = self.req_pool.alloc()
         if row is None:
@@ -168,7 +146,7 @@ class Scheduler:
         self.running.append(req)
         return n
 
-    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+    def _schedule_decode(self) -> ScheduledBatch | None:
         reqs = [r for r in self.running if r.decode_ready]
         if not reqs:
             return None
@@ -183,8 +161,10 @@ class Scheduler:
                 self._retract(req)  # older requests hold the memory; this one resumes later
             else:
                 req.aborted = True
-                req.finish("abort", message="out of KV cache memory: the sequence does not fit "
-                                            "in the KV pool even alone")
+                req.finish(
+                    "abort",
+                    message="out of KV cache memory: the sequence does not fit in the KV pool even alone",
+                )
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         return plan if plan.reqs else None
 
@@ -241,7 +221,7 @@ class Scheduler:
                 self._cache_progress(req)
 
     def _cache_progress(self, req: Req) -> None:
-        key = req.fill_ids[:req.num_computed]
+        key = req.fill_ids[: req.num_computed]
         match = self.cache.cache_unfinished(key, req.kv_slots, req.last_node, req.namespace)
         req.kv_slots = list(match.slots)
         req.last_node = match.node
@@ -257,7 +237,7 @@ class Scheduler:
 
     def release(self, req: Req, keep_waiting: bool = False) -> None:
         if req.row is not None:
-            key = req.fill_ids[:req.num_computed]
+            key = req.fill_ids[: req.num_computed]
             self.cache.cache_finished(key, req.kv_slots, req.last_node, req.namespace)
             self.req_pool.free(req.row)
         req.kv_slots, req.cache_len, req.last_node = [], 0, None

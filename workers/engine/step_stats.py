@@ -22,8 +22,17 @@ class StepStats:
         self.recent: deque[tuple] = deque(maxlen=WINDOW)
         self.totals: dict[str, Any] = {"steps": 0, **{f"{k}_s": 0.0 for k in _FIELDS}}
 
-    def record(self, kind: str, num_reqs: int, num_tokens: int, schedule: float, forward: float,
-               sample: float, text: float = 0.0, hidden: float = 0.0) -> None:
+    def record(
+        self,
+        kind: str,
+        num_reqs: int,
+        num_tokens: int,
+        schedule: float,
+        forward: float,
+        sample: float,
+        text: float = 0.0,
+        hidden: float = 0.0,
+    ) -> None:
         self.recent.append((kind, num_reqs, num_tokens, schedule, forward, sample, text, hidden))
         t = self.totals
         t["steps"] += 1
@@ -37,8 +46,7 @@ class StepStats:
 
     def summary(self) -> dict[str, Any]:
         t = self.totals
-        out: dict[str, Any] = {f"step_{k}": round(v, 6) if isinstance(v, float) else v
-                               for k, v in t.items()}
+        out: dict[str, Any] = {f"step_{k}": round(v, 6) if isinstance(v, float) else v for k, v in t.items()}
         host = t["schedule_s"] + t["text_s"]
         out["step_host_hidden_fraction"] = round(t["hidden_s"] / host, 4) if host else 0.0
         for kind in ("prefill", "decode"):

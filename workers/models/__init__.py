@@ -1,6 +1,3 @@
-"""Model code: checkpoint loading and the decoder architectures, run over the paged KV pool."""
-
-from radixserve.workers.models.config import ModelConfig
-from radixserve.workers.models.loader import LoadedModel, default_dtype, load_model
-
-__all__ = ["LoadedModel", "ModelConfig", "default_dtype", "load_model"]
+"""Model code: checkpoint loading (HF directories, GGUF, the embedded default), model configs, the
+decoder architectures, their layers and the attention backends over the paged KV pool, and the
+ForwardBatch a forward reads."""

@@ -7,7 +7,7 @@ Built once from a Hugging Face `config.json` (both the transformers 4 layout wit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -52,7 +52,7 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
     eos_token_ids: tuple[int, ...]
-    bos_token_id: Optional[int]
+    bos_token_id: int | None
     dtype: torch.dtype
 
     @property
@@ -73,8 +73,8 @@ class ModelConfig:
         cls,
         hf: dict[str, Any],
         dtype: torch.dtype,
-        generation_config: Optional[dict[str, Any]] = None,
-    ) -> "ModelConfig":
+        generation_config: dict[str, Any] | None = None,
+    ) -> ModelConfig:
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:

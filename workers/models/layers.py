@@ -9,7 +9,7 @@ Hugging Face issues three.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +57,9 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> contiguous cos, sin of shape [T, head_dim // 2]."""
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            raise ValueError(f"position {int(positions.max())} is beyond the context length {self.cos.shape[0]}")
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the context length {self.cos.shape[0]}"
+            )
         return self.cos[positions], self.sin[positions]
 
     @staticmethod
@@ -103,10 +105,14 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
         self.bias_f32: torch.Tensor | None = None
         self._kernel = None  # the extension's packed_linear, bound once packed
 
@@ -123,7 +129,11 @@ class Linear(nn.Module):
 
     def pack_(self) -> bool:
         """Switch to the packed kernel if it runs here; False (unchanged) otherwise."""
-        if self.packed or not cpu_ops.gemm_available(self.weight.dtype, self.weight.device) or self.in_features % 2:
+        if (
+            self.packed
+            or not cpu_ops.gemm_available(self.weight.dtype, self.weight.device)
+            or self.in_features % 2
+        ):
             return self.packed
         self.weight = nn.Parameter(cpu_ops.pack_linear_weight(self.weight.data), requires_grad=False)
         self.bias_f32 = None if self.bias is None else self.bias.float()
@@ -138,7 +148,9 @@ class FusedLinear(Linear):
     `load_shard(i, w)` copies checkpoint part i into its rows (before `pack_`).
     """
 
-    def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype, device=None):
+    def __init__(
+        self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype, device=None
+    ):
         self.shard_sizes = list(shard_sizes)
         self.offsets = [0]
         for n in self.shard_sizes:
@@ -153,7 +165,9 @@ class FusedLinear(Linear):
             raise ValueError(f"checkpoint has a {param_name} that this layer does not expect")
         lo, hi = self.offsets[index], self.offsets[index + 1]
         if tuple(tensor.shape) != (hi - lo, *target.shape[1:]):
-            raise ValueError(f"shard {index} {param_name}: shape {tuple(tensor.shape)} != {(hi - lo, *target.shape[1:])}")
+            raise ValueError(
+                f"shard {index} {param_name}: shape {tuple(tensor.shape)} != {(hi - lo, *target.shape[1:])}"
+            )
         with torch.no_grad():
             target[lo:hi].copy_(tensor)
 

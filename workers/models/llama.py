@@ -8,17 +8,24 @@ checkpoint names onto them. `forward(batch, kv_pool)` returns float32 logits for
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixserve.kernels import cpu_ops
-from radixserve.kernels.attention import AttentionBackend
-from radixserve.workers.engine.forward_batch import ForwardBatch
+from radixserve.workers.models.attention import AttentionBackend
 from radixserve.workers.models.config import ModelConfig
-from radixserve.workers.models.layers import FusedLinear, Linear, RMSNorm, RotaryEmbedding, linear, silu_and_mul
+from radixserve.workers.models.forward_batch import ForwardBatch
+from radixserve.workers.models.layers import (
+    FusedLinear,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    linear,
+    silu_and_mul,
+)
 
 # checkpoint leaf module -> (our fused module, shard index)
 _FUSED = {
@@ -79,7 +86,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos, sin, batch: ForwardBatch, kv_pool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, cos, sin, batch: ForwardBatch, kv_pool
+    ) -> torch.Tensor:
         """x = input_layernorm(residual); `residual` is updated in place. Returns the MLP output,
         which the next layer (or the final norm) adds to the residual."""
         x = self.self_attn(x, cos, sin, batch, kv_pool)
@@ -108,9 +117,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.model = LlamaModel(config, backend, self.attention_cls)
-        self.lm_head = None if config.tie_word_embeddings else linear(config.hidden_size, config.vocab_size, False, config.dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else linear(config.hidden_size, config.vocab_size, False, config.dtype)
+        )
         # Explicit device: the table is computed now, even when the module is built on meta.
-        self.rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope, config.dtype, rotary_device)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.context_length, config.rope, config.dtype, rotary_device
+        )
 
     def pack_weights(self) -> bool:
         """Re-lay every projection for the packed CPU GEMM where it runs (after load_weights).
@@ -121,7 +136,9 @@ class LlamaForCausalLM(nn.Module):
         if not cpu_ops.gemm_available(weight.dtype, weight.device):
             return False
         if self.lm_head is None:
-            self.lm_head = linear(self.config.hidden_size, self.config.vocab_size, False, weight.dtype, weight.device)
+            self.lm_head = linear(
+                self.config.hidden_size, self.config.vocab_size, False, weight.dtype, weight.device
+            )
             self.lm_head.weight.data.copy_(weight)
         for module in self.modules():
             if isinstance(module, Linear):
@@ -164,7 +181,9 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}"
+                )
             with torch.no_grad():
                 params[name].copy_(tensor)
             expected.discard(name)

@@ -11,22 +11,22 @@ import functools
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 
 # Set before transformers / huggingface_hub are imported anywhere downstream of us.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from radixserve.kernels import cpu_ops  # noqa: E402
-from radixserve.kernels.attention import get_backend  # noqa: E402
-from radixserve.kernels.cpu_runtime import tune_malloc  # noqa: E402
-from radixserve.workers.models.config import ModelConfig  # noqa: E402
-from radixserve.workers.models.gguf_convert import ensure_converted  # noqa: E402
-from radixserve.workers.models.llama import LlamaForCausalLM  # noqa: E402
-from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM  # noqa: E402
+from radixserve.kernels import cpu_ops
+from radixserve.workers.models.attention import get_backend
+from radixserve.workers.models.config import ModelConfig
+from radixserve.workers.models.gguf_convert import ensure_converted
+from radixserve.workers.models.llama import LlamaForCausalLM
+from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,7 +99,7 @@ def default_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
 
 
-def resolve_model_dir(model_path: Optional[str]) -> tuple[Path, str]:
+def resolve_model_dir(model_path: str | None) -> tuple[Path, str]:
     """(local Hugging Face-style directory, served name) for a model path; converts GGUF."""
     if model_path is None:
         return ensure_converted(default_gguf_path(), cache_root()), DEFAULT_MODEL_NAME
@@ -112,7 +112,9 @@ def resolve_model_dir(model_path: Optional[str]) -> tuple[Path, str]:
         )
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"{model_path!r} is a file but not a .gguf; pass a model directory or a .gguf file")
+            raise ValueError(
+                f"{model_path!r} is a file but not a .gguf; pass a model directory or a .gguf file"
+            )
         return ensure_converted(path, cache_root()), path.stem
     if (path / "config.json").is_file():
         return path, path.name
@@ -150,7 +152,6 @@ def build_model(config: ModelConfig, attention_backend: str = "auto", device: st
     """An uninitialized model of the config's architecture (weights still to be loaded)."""
     backend = get_backend(attention_backend, device)
     if device == "cpu":
-        tune_malloc()
         cpu_ops.native_ops()  # build (first time on a machine, ~1 min) now, not in the first forward
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, backend, rotary_device=device)
@@ -164,7 +165,7 @@ def load_tokenizer(model_dir: Path):
 
 
 def load_model(
-    model_path: Optional[str] = None,
+    model_path: str | None = None,
     dtype: str | torch.dtype | None = None,
     attention_backend: str = "auto",
 ) -> LoadedModel:

@@ -25,7 +25,9 @@ class Qwen3Attention(LlamaAttention):
 
     def prepare_qk(self, qk: torch.Tensor) -> torch.Tensor:
         # One float32 normalization over all q|k heads, then each head's own weight.
-        normed = torch.nn.functional.rms_norm(qk.float(), (self.head_dim,), None, self.q_norm.eps).to(qk.dtype)
+        normed = torch.nn.functional.rms_norm(qk.float(), (self.head_dim,), None, self.q_norm.eps).to(
+            qk.dtype
+        )
         weight = torch.cat(
             (
                 self.q_norm.weight.expand(self.num_heads, -1),

@@ -1,0 +1,228 @@
+"""The FastAPI app: OpenAI routes, SGLang's native routes, and the guards in front of them.
+
+Bodies are parsed by hand (`model_validate_json`) rather than by FastAPI's parameter binding, so
+every malformed or invalid body is a 400 in OpenAI's shape; FastAPI's 422 handler is replaced too,
+for anything that still reaches it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixserve.router.frontend import errors, serving
+from radixserve.router.frontend.responses import Sequences
+from radixserve.router.frontend.schemas import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateHTTPRequest,
+    TokenizeRequest,
+)
+from radixserve.workers.protocol import GenerateRequest, InvalidRequest, QueueFull, SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.router.frontend.ingress import Ingress
+
+AUTH_EXEMPT = frozenset({"/health"})
+VERSION = "0.1.0"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """ASGI middleware: API key (constant-time compare) and body size, before any parsing."""
+
+    def __init__(self, app: Any, api_key: str | None, max_bytes: int):
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        if self.key is not None and scope["path"] not in AUTH_EXEMPT:
+            auth = headers.get("authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                return await errors.unauthorized().response()(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await errors.too_large(self.max_bytes).response()(scope, receive, send)
+        seen = 0
+
+        async def counted_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # a chunked body with no Content-Length
+                raise BodyTooLarge()
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+
+async def parse(request: Request, schema: type[BaseModel]) -> Any:
+    return schema.model_validate_json(await request.body())
+
+
+def add_error_handlers(app: FastAPI, max_bytes: int) -> None:
+    def handle(status_of: Callable[[Any], errors.APIError]):
+        async def handler(request: Request, exc: Exception) -> Response:
+            return status_of(exc).response()
+
+        return handler
+
+    app.add_exception_handler(errors.APIError, handle(lambda e: e))
+    for cls in (InvalidRequest, QueueFull, ValidationError):
+        app.add_exception_handler(cls, handle(errors.from_exception))
+    app.add_exception_handler(
+        RequestValidationError, handle(lambda e: errors.from_validation_errors(list(e.errors())))
+    )
+    app.add_exception_handler(BodyTooLarge, handle(lambda e: errors.too_large(max_bytes)))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return errors.not_found(request.url.path).response()
+        if exc.status_code == 405:
+            return errors.method_not_allowed(request.method, request.url.path).response()
+        return errors.APIError(exc.status_code, str(exc.detail)).response()
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, handle(errors.from_exception))
+
+
+def build_api(ing: Ingress) -> FastAPI:
+    app = FastAPI(title="RadixServe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, api_key=ing.api_key, max_bytes=ing.max_request_bytes)
+    add_error_handlers(app, ing.max_request_bytes)
+    started = int(time.time())
+
+    def post(
+        path: str, schema: type[BaseModel], fn: Callable[[Ingress, Any, Request], Awaitable[Response]]
+    ) -> None:
+        async def route(request: Request) -> Response:
+            return await fn(ing, await parse(request, schema), request)
+
+        app.add_api_route(path, route, methods=["POST"])
+
+    post("/v1/chat/completions", ChatCompletionRequest, serving.chat)
+    post("/v1/completions", CompletionRequest, serving.completions)
+    post("/generate", GenerateHTTPRequest, serving.generate)
+    post("/v1/tokenize", TokenizeRequest, tokenize)
+    post("/v1/detokenize", DetokenizeRequest, detokenize)
+    post("/abort_request", AbortRequest, abort_request)
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": ing.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "radixserve",
+            "root": ing.card.model_path,
+            "max_model_len": ing.card.context_length,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        serving.check_model(ing, model)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        req = GenerateRequest(
+            input_ids=ing.tokenizer.encode("ping", add_special_tokens=True),
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            rid=f"health-{time.monotonic_ns()}",
+        )
+        seqs = Sequences(1, 1)
+        try:
+            ok = await serving.collect([await ing.open(req)], seqs, request)
+        except Exception as e:
+            return errors.APIError(503, f"generation failed: {e}", "server_error").response()
+        return Response(status_code=200 if ok and seqs.done else 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        c = ing.card
+        return {
+            "model_path": c.model_path,
+            "served_model_name": c.served_model_name,
+            "is_generation": True,
+            "context_length": c.context_length,
+            "vocab_size": c.vocab_size,
+            "eos_token_ids": c.eos_token_ids,
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        args = {k: ("***" if k == "api_key" and v else v) for k, v in ing.server_args.items()}
+        replicas = [s.to_dict() for s in await ing.replica_stats()]
+        return {
+            **args,
+            "version": VERSION,
+            "served_model_name": ing.model_name,
+            "context_length": ing.card.context_length,
+            "replicas": replicas,
+            "router": ing.router_snapshot(),
+        }
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        ok = await ing.flush_cache()
+        return JSONResponse(
+            {
+                "success": ok,
+                "message": "Cache flushed." if ok else "Cache not flushed: requests are running.",
+            },
+            status_code=200 if ok else 400,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        ing.metrics.set_replicas(await ing.replica_stats())
+        ing.metrics.set_router(ing.router_snapshot())
+        return Response(ing.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def tokenize(ing: Ingress, req: TokenizeRequest, http: Request) -> Response:
+    serving.check_model(ing, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise errors.bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    if req.prompt is not None:
+        ids = ing.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        ids = ing.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ing.card.context_length})
+
+
+async def detokenize(ing: Ingress, req: DetokenizeRequest, http: Request) -> Response:
+    serving.check_model(ing, req.model)
+    return JSONResponse({"text": ing.tokenizer.decode(req.tokens)})
+
+
+async def abort_request(ing: Ingress, req: AbortRequest, http: Request) -> Response:
+    return JSONResponse({"rid": req.rid, "aborted": await ing.abort(req.rid)})

@@ -1,0 +1,177 @@
+"""The Serve ingress deployment: owns the tokenizer, the metrics and the handle to the engine
+replicas, and serves the FastAPI app that router/frontend/api.py builds around it.
+
+Replica traffic is protocol dicts only. A request's replica is chosen by the routing policy, which
+runs as the engine deployment's Serve request router inside this replica's handle
+(router/routing/request_router.py); both meet in this process's RoutingState. The ingress keeps that
+state honest: every `router_sync_interval_s` it pulls each replica's cached prefixes and load
+(`EngineReplica.cache_summary`) and applies them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from radixserve.router.frontend.metrics import Metrics, RequestTimer
+from radixserve.router.frontend.tokenizer import Tokenizer
+from radixserve.router.routing.policy import PolicyConfig
+from radixserve.router.routing.request_router import state_key
+from radixserve.router.routing.routing_state import routing_state
+from radixserve.workers.protocol import GenerateRequest, ModelCard, OutputChunk, ReplicaStats, decode_error
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 30.0
+# Token budget of one replica's prefix report (sum of its paths' lengths): enough for pools of
+# tens of thousands of tokens whose leaves share long prefixes, small enough to send every few s.
+SUMMARY_MAX_TOKENS = 1 << 18
+
+
+class ReplicaStream:
+    """The chunks of one request from its replica. Cancelling it aborts the request there."""
+
+    def __init__(self, gen: DeploymentResponseGenerator, rid: str, timer: RequestTimer):
+        self.gen = gen
+        self.rid = rid
+        self.timer = timer
+        self.done = False
+        self.first: OutputChunk | None = None
+
+    async def next(self) -> OutputChunk | None:
+        """The next chunk, None at the end; raises a replica's refusal as its exception."""
+        try:
+            d = await self.gen.__anext__()
+        except StopAsyncIteration:
+            self.done = True
+            return None
+        if "error" in d:
+            self.done = True
+            raise decode_error(d)
+        chunk = OutputChunk.from_dict(d)
+        self.timer.tokens(len(chunk.token_ids))
+        return chunk
+
+    async def __aiter__(self) -> AsyncIterator[OutputChunk]:
+        try:
+            if self.first is not None:
+                yield self.first
+            while not self.done and (chunk := await self.next()) is not None:
+                yield chunk
+            self.timer.finished()
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self.gen.cancel()
+
+
+class Ingress:
+    async def __init__(
+        self, replicas: DeploymentHandle, server_args: dict[str, Any], routing: dict[str, Any] | None = None
+    ):
+        """`routing`: {"policy": PolicyConfig fields, "sync_interval_s": seconds} (cluster/app.py
+        passes the same policy fields to the request router)."""
+        routing = routing or {}
+        self.replicas = replicas
+        self.server_args = dict(server_args)
+        self.api_key: str | None = server_args.get("api_key")
+        self.max_request_bytes: int = int(server_args.get("max_request_bytes") or 16 << 20)
+        logging.getLogger("radixserve").setLevel(str(server_args.get("log_level") or "info").upper())
+        card = await self.replicas.model_card.remote()
+        self.card = ModelCard.from_dict(card)
+        self.tokenizer = await asyncio.to_thread(Tokenizer, self.card)
+        self.model_name = self.card.served_model_name
+        self.metrics = Metrics(self.model_name)
+        key = state_key(replicas.deployment_id.app_name, replicas.deployment_id.name)
+        self.routing = routing_state(key, PolicyConfig(**routing.get("policy", {})))
+        self.sync_interval_s = float(routing.get("sync_interval_s", 5.0))
+        self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
+
+    def __serve_build_asgi_app__(self):
+        from radixserve.router.frontend.api import build_api
+
+        return build_api(self)
+
+    def route(self, req: GenerateRequest) -> DeploymentHandle:
+        """The handle that will serve `req`. Its request router applies the routing policy to
+        `req.input_ids` (router/routing/request_router.py)."""
+        return self.replicas
+
+    async def sync_routing(self) -> int:
+        """Correct the routing state from every replica's own report; returns how many replicas
+        answered. A replica that fails to answer is skipped (if it died, Serve's replica update
+        removes it from the state)."""
+        point = self.routing.sync_point()
+        budget = SUMMARY_MAX_TOKENS if self.routing.uses_prefix_tree else 0
+        applied = 0
+        for r in await self._broadcast("cache_summary", budget):
+            # The engine lists most recent first; the tree wants least recent first.
+            prefixes = r["prefixes"][::-1] if budget else None
+            applied += self.routing.apply_report(ReplicaStats.from_dict(r["stats"]), prefixes, point)
+        return applied
+
+    async def _sync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sync_interval_s)
+            try:
+                await self.sync_routing()
+            except Exception:  # the next round retries; routing goes on with what it knows
+                logger.exception("routing correction failed")
+
+    def router_snapshot(self) -> dict[str, Any]:
+        return self.routing.snapshot()
+
+    async def open(self, req: GenerateRequest) -> ReplicaStream:
+        """Send `req` to a replica; returns once its first output is there.
+
+        Raises InvalidRequest / QueueFull (as the replica's engine refused it) before any output,
+        so the HTTP layer can still answer with a status code.
+        """
+        timer = self.metrics.timer()
+        gen = self.route(req).options(stream=True).generate.remote(req.to_dict())
+        stream = ReplicaStream(gen, req.rid, timer)
+        try:
+            if await stream.next() is None:  # the acceptance (an empty chunk)
+                raise RuntimeError("the replica closed the stream without output")
+            timer.admitted()
+            stream.first = await stream.next()
+        except BaseException:
+            stream.cancel()
+            raise
+        return stream
+
+    async def _broadcast(self, method: str, *args: Any) -> list[Any]:
+        """`method` on every replica; the answers of those that answered (one that just died is
+        left out, not an error: Serve replaces it)."""
+        results = await self.replicas.broadcast(method, *args).results_async(
+            timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True
+        )
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    async def replica_stats(self) -> list[ReplicaStats]:
+        stats = [ReplicaStats.from_dict(r) for r in await self._broadcast("stats")]
+        return sorted(stats, key=lambda s: s.replica_id)
+
+    async def engine_stats(self) -> list[dict[str, Any]]:
+        return sorted(await self._broadcast("engine_stats"), key=lambda r: r["replica_id"])
+
+    async def flush_cache(self) -> bool:
+        results = await self._broadcast("flush_cache")
+        flushed = bool(results) and all(results)
+        if flushed:  # the tree must not send prefixes after caches that are gone
+            await self.sync_routing()
+        return flushed
+
+    async def abort(self, rid: str) -> bool:
+        return any(await self._broadcast("abort", rid))
+
+
+IngressDeployment = serve.deployment(name="Ingress", max_ongoing_requests=4096)(serve.ingress()(Ingress))

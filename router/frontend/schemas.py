@@ -1,0 +1,267 @@
+"""HTTP request schemas (OpenAI + SGLang native) and their translation into `SamplingParams`.
+
+Schemas are strict (no string-to-number coercion) and closed (an unknown argument is a 400, as
+OpenAI does); parameters that OpenAI clients commonly send but that change nothing here (`user`,
+`store`, `metadata` ...) are accepted and ignored. Range checks live in one place,
+`SamplingParams.validate`, so the native API and the OpenAI API reject exactly the same values.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixserve.workers.protocol import InvalidRequest, SamplingParams
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Schema):
+    include_usage: bool = False
+
+
+class ContentPart(_Schema):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Schema):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class JSONSchemaFormat(_Schema):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class _SamplingFields(_Schema):
+    """Parameters shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Accepted for compatibility; they change nothing here.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    # SGLang / vLLM extensions (the OpenAI SDK sends them through `extra_body`).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    rid: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none"] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class GenerateHTTPRequest(_Schema):
+    """SGLang's native /generate: one prompt (text or ids), SGLang-named sampling params."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    rid: str | None = None
+
+
+class TokenizeRequest(_Schema):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Schema):
+    model: str | None = None
+    tokens: list[int]
+
+
+class AbortRequest(_Schema):
+    rid: str
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _common(req: _SamplingFields) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "n": req.n,
+        "stop": _stop_list(req.stop),
+        "ignore_eos": req.ignore_eos,
+        "min_new_tokens": req.min_tokens,
+        "seed": req.seed,
+        "skip_special_tokens": req.skip_special_tokens,
+        "regex": req.regex,
+        "ebnf": req.ebnf,
+        "json_schema": req.json_schema,
+    }
+    for name in (
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "stop_token_ids",
+    ):
+        if getattr(req, name) is not None:
+            d[name] = getattr(req, name)
+    if req.logit_bias is not None:
+        try:
+            d["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequest("'logit_bias' keys must be token ids", "logit_bias") from None
+    return d
+
+
+def max_new_tokens(requested: int | None, prompt_len: int, context_length: int, param: str) -> int:
+    """The completion budget: as requested, or the rest of the context; 400 when it cannot fit."""
+    if requested is not None and (isinstance(requested, bool) or requested < 1):
+        raise InvalidRequest(f"'{param}' must be >= 1", param)
+    budget = requested if requested is not None else context_length - prompt_len
+    if prompt_len + max(budget, 1) > context_length:
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {prompt_len + max(budget, 1)} tokens ({prompt_len} in the prompt, "
+            f"{max(budget, 1)} for the completion). Please reduce the prompt or the completion "
+            "length.",
+            param,
+            code="context_length_exceeded",
+        )
+    return budget
+
+
+def chat_sampling_params(
+    req: ChatCompletionRequest, prompt_len: int, vocab_size: int, context_length: int
+) -> SamplingParams:
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise InvalidRequest(
+            "give either 'max_tokens' or 'max_completion_tokens', not both", "max_completion_tokens"
+        )
+    limit, param = (
+        (req.max_completion_tokens, "max_completion_tokens")
+        if req.max_completion_tokens is not None
+        else (req.max_tokens, "max_tokens")
+    )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    d = _common(req)
+    d["max_new_tokens"] = max_new_tokens(limit, prompt_len, context_length, param)
+    d["logprobs"] = req.logprobs
+    d["top_logprobs"] = req.top_logprobs or 0
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text" and req.json_schema is not None:
+        raise InvalidRequest("give either 'response_format' or 'json_schema', not both", "json_schema")
+    if fmt is not None and fmt.type == "json_object":
+        d["json_schema"] = json.dumps({"type": "object"})
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidRequest(
+                "'response_format.json_schema.schema' is required", "response_format.json_schema"
+            )
+        d["json_schema"] = json.dumps(fmt.json_schema.schema_)
+    return _build(d, vocab_size)
+
+
+def completion_sampling_params(
+    req: CompletionRequest, prompt_len: int, vocab_size: int, context_length: int
+) -> SamplingParams:
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequest("'best_of' other than 'n' is not supported", "best_of")
+    if req.suffix is not None:
+        raise InvalidRequest("'suffix' is not supported", "suffix")
+    if req.echo and req.logprobs is not None:
+        raise InvalidRequest("'echo' with 'logprobs' is not supported", "echo")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidRequest(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
+    d = _common(req)
+    d["max_new_tokens"] = max_new_tokens(req.max_tokens, prompt_len, context_length, "max_tokens")
+    d["logprobs"] = req.logprobs is not None
+    d["top_logprobs"] = req.logprobs or 0
+    return _build(d, vocab_size)
+
+
+def native_sampling_params(
+    req: GenerateHTTPRequest, prompt_len: int, vocab_size: int, context_length: int
+) -> SamplingParams:
+    d = dict(req.sampling_params)
+    d.setdefault("max_new_tokens", SamplingParams.max_new_tokens)
+    if req.return_logprob:
+        d["logprobs"] = True
+        d["top_logprobs"] = req.top_logprobs_num
+    params = _build(d, vocab_size)
+    if prompt_len + params.max_new_tokens > context_length:
+        max_new_tokens(
+            params.max_new_tokens or 1, prompt_len, context_length, "sampling_params.max_new_tokens"
+        )
+    return params
+
+
+def _build(d: dict[str, Any], vocab_size: int) -> SamplingParams:
+    try:
+        params = SamplingParams.from_dict(d)
+    except TypeError as e:  # a wrongly typed value that the dataclass itself refused
+        raise InvalidRequest(f"invalid sampling parameters: {e}") from None
+    params.validate(vocab_size)
+    return params

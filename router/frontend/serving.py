@@ -1,0 +1,302 @@
+"""The generation endpoints' logic: OpenAI chat and completions, SGLang's native /generate.
+
+Each handler validates and tokenizes, opens one replica stream per prompt (so a refusal becomes
+an HTTP status before any byte is sent), then either streams SSE or collects a JSON body. A client
+that goes away cancels its streams, which aborts the requests in their replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixserve.router.frontend import errors
+from radixserve.router.frontend.responses import (
+    SSE_DONE,
+    Sequences,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    native_response,
+    new_id,
+    now,
+    sse,
+    usage_chunk,
+)
+from radixserve.router.frontend.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateHTTPRequest,
+    chat_sampling_params,
+    completion_sampling_params,
+    native_sampling_params,
+)
+from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.router.frontend.ingress import Ingress, ReplicaStream
+
+DISCONNECT_POLL_S = 0.2
+_DONE = object()
+
+
+def check_model(ing: Ingress, model: str | None) -> None:
+    if model is not None and model != ing.model_name:
+        raise errors.model_not_found(model)
+
+
+async def open_streams(ing: Ingress, reqs: list[GenerateRequest]) -> list[ReplicaStream]:
+    """Open every prompt's stream, or none: a refusal cancels the ones already admitted."""
+    streams: list[ReplicaStream] = []
+    try:
+        for req in reqs:
+            streams.append(await ing.open(req))
+    except BaseException:
+        for s in streams:
+            s.cancel()
+        raise
+    return streams
+
+
+async def merged(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, OutputChunk]]:
+    """(prompt index, chunk) from all streams as they arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, stream: ReplicaStream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((k, chunk))
+            queue.put_nowait((k, _DONE))
+        except Exception as e:  # surfaced to the consumer, which owns error reporting
+            queue.put_nowait((k, e))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            k, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.cancel()
+
+
+async def collect(streams: list[ReplicaStream], seqs: Sequences, http: Request) -> bool:
+    """Fold every chunk into `seqs`; False (and the requests aborted) if the client left first."""
+
+    async def drain() -> None:
+        async for k, chunk in merged(streams):
+            seqs.add(k, chunk)
+
+    work = asyncio.ensure_future(drain())
+    try:
+        while not work.done():
+            await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+            if not work.done() and await http.is_disconnected():
+                return False
+        work.result()  # re-raise a replica failure
+        return True
+    finally:
+        if not work.done():
+            work.cancel()
+        for s in streams:
+            s.cancel()
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream that fails after its 200 reports the error in band, then ends with [DONE]."""
+    try:
+        async for e in events:
+            yield e
+    except Exception as exc:
+        yield errors.from_exception(exc).sse_event()
+    yield SSE_DONE
+
+
+def _requests(
+    ids_list: list[list[int]], params: list[SamplingParams], rid: str, stream: bool
+) -> list[GenerateRequest]:
+    many = len(ids_list) > 1
+    return [
+        GenerateRequest(input_ids=ids, sampling_params=p, rid=f"{rid}-{k}" if many else rid, stream=stream)
+        for k, (ids, p) in enumerate(zip(ids_list, params))
+    ]
+
+
+async def chat(ing: Ingress, req: ChatCompletionRequest, http: Request) -> Response:
+    check_model(ing, req.model)
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+    ]
+    ids = ing.tokenizer.encode_chat(messages)
+    params = chat_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
+    rid = req.rid or new_id("chatcmpl")
+    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream))
+    seqs = Sequences(1, params.n)
+    if not req.stream:
+        if not await collect(streams, seqs, http):
+            return Response(status_code=499)
+        return JSONResponse(chat_response(rid, ing.model_name, seqs, ing.tokenizer, req.logprobs))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return sse_response(guarded(_chat_events(ing, rid, streams, seqs, req.logprobs, include_usage)))
+
+
+async def _chat_events(
+    ing: Ingress,
+    rid: str,
+    streams: list[ReplicaStream],
+    seqs: Sequences,
+    want_logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    created, model, started = now(), ing.model_name, set()
+    async for k, chunk in merged(streams):
+        i = seqs.add(k, chunk)
+        if i not in started:
+            started.add(i)
+            yield sse(chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}))
+        if chunk.text or (want_logprobs and chunk.logprobs):
+            lps = chat_logprobs(ing.tokenizer, chunk.logprobs or []) if want_logprobs else None
+            yield sse(chat_chunk(rid, created, model, i, {"content": chunk.text}, logprobs=lps))
+        if chunk.finished:
+            s = seqs.choices[i]
+            yield sse(chat_chunk(rid, created, model, i, {}, s.finish_reason, matched_stop=s.matched_stop))
+    if include_usage:
+        yield sse(usage_chunk(rid, created, model, "chat.completion.chunk", seqs.usage()))
+
+
+def _prompts(ing: Ingress, prompt: Any) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt (a string, strings, ids, or lists of ids) and its text."""
+    tok = ing.tokenizer
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise errors.bad_request("'prompt' must not be empty", "prompt")
+    ids_list, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            ids_list.append(tok.encode(p, add_special_tokens=True))
+            texts.append(p)
+        else:
+            tok.check_ids(p, "prompt")
+            if not p:
+                raise errors.bad_request("'prompt' must not be empty", "prompt")
+            ids_list.append(list(p))
+            texts.append(tok.decode(list(p)))
+    return ids_list, texts
+
+
+async def completions(ing: Ingress, req: CompletionRequest, http: Request) -> Response:
+    check_model(ing, req.model)
+    ids_list, texts = _prompts(ing, req.prompt)
+    card = ing.card
+    params = [
+        completion_sampling_params(req, len(ids), card.vocab_size, card.context_length) for ids in ids_list
+    ]
+    rid = req.rid or new_id("cmpl")
+    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream))
+    seqs = Sequences(len(ids_list), req.n)
+    want_logprobs = req.logprobs is not None
+    if not req.stream:
+        if not await collect(streams, seqs, http):
+            return Response(status_code=499)
+        echo = texts if req.echo else None
+        return JSONResponse(
+            completion_response(rid, ing.model_name, seqs, ing.tokenizer, want_logprobs, echo)
+        )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    echo = texts if req.echo else None
+    return sse_response(
+        guarded(_completion_events(ing, rid, streams, seqs, want_logprobs, include_usage, echo))
+    )
+
+
+async def _completion_events(
+    ing: Ingress,
+    rid: str,
+    streams: list[ReplicaStream],
+    seqs: Sequences,
+    want_logprobs: bool,
+    include_usage: bool,
+    echo: list[str] | None,
+) -> AsyncIterator[str]:
+    created, model, offsets = now(), ing.model_name, {}
+    async for k, chunk in merged(streams):
+        i = seqs.add(k, chunk)
+        if i not in offsets:
+            offsets[i] = 0
+            if echo:
+                yield sse(completion_chunk(rid, created, model, i, echo[k]))
+        if chunk.text or (want_logprobs and chunk.logprobs):
+            lps = None
+            if want_logprobs:
+                lps = completion_logprobs(ing.tokenizer, chunk.logprobs or [], offsets[i])
+                offsets[i] += sum(len(t) for t in lps["tokens"])
+            yield sse(completion_chunk(rid, created, model, i, chunk.text, logprobs=lps))
+        if chunk.finished:
+            s = seqs.choices[i]
+            yield sse(
+                completion_chunk(rid, created, model, i, "", s.finish_reason, matched_stop=s.matched_stop)
+            )
+    if include_usage:
+        yield sse(usage_chunk(rid, created, model, "text_completion", seqs.usage()))
+
+
+async def generate(ing: Ingress, req: GenerateHTTPRequest, http: Request) -> Response:
+    if (req.text is None) == (req.input_ids is None):
+        raise errors.bad_request("give exactly one of 'text' and 'input_ids'", "text")
+    if req.text is not None:
+        ids = ing.tokenizer.encode(req.text, add_special_tokens=True)
+    else:
+        ing.tokenizer.check_ids(req.input_ids, "input_ids")
+        ids = list(req.input_ids)
+    if not ids:
+        raise errors.bad_request("the prompt must not be empty", "text")
+    params = native_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
+    rid = req.rid or new_id("gen")
+    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream))
+    seqs = Sequences(1, params.n)
+    tok = ing.tokenizer if req.return_logprob else None
+    if not req.stream:
+        if not await collect(streams, seqs, http):
+            return Response(status_code=499)
+        bodies = [native_response(rid, s, tok) for s in seqs.choices]
+        return JSONResponse(bodies[0] if params.n == 1 else bodies)
+    return sse_response(guarded(_native_events(rid, streams, seqs, tok, params.n > 1)))
+
+
+async def _native_events(
+    rid: str, streams: list[ReplicaStream], seqs: Sequences, tok: Any, indexed: bool
+) -> AsyncIterator[str]:
+    """SGLang streams cumulative text and ids: each event is the whole output so far."""
+    async for k, chunk in merged(streams):
+        i = seqs.add(k, chunk)
+        if chunk.token_ids or chunk.text or chunk.finished:
+            body = native_response(rid, seqs.choices[i], tok)
+            if indexed:
+                body["index"] = i
+            yield sse(body)

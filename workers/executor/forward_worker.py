@@ -1,0 +1,171 @@
+"""Runs one planned batch through the model and the sampler, inline or on a thread of its own.
+
+The overlap loop launches step N+1 here and, while it runs, turns step N's tokens into text on the
+engine thread. What the engine thread may do meanwhile is the contract below.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.workers.constrained.grammar import apply_bitmask
+from radixserve.workers.executor.model_runner import ModelRunner
+from radixserve.workers.executor.plan import ScheduledBatch
+from radixserve.workers.models.forward_batch import ForwardBatch
+from radixserve.workers.sampling.sampler import Sampler, SamplerRow, SamplingBatch
+
+if TYPE_CHECKING:
+    from radixserve.workers.engine.request import Req
+
+
+@dataclass
+class ForwardJob:
+    """One step: the plan, its tensors, and (after `run`) the sampled tokens."""
+
+    plan: ScheduledBatch
+    batch: ForwardBatch
+    rows: list[int]  # logits rows that are sampled (plan positions with a token to sample)
+    reqs: list[Req]  # the sequence of each sampled row
+    sampling: SamplingBatch | None
+    bitmask: torch.Tensor | None  # filled for the constrained rows, None if there are none
+    constrained: list[int]
+    launched_at: float = 0.0
+    # Results, written by `run`
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    ended_at: float = 0.0
+
+
+class ForwardWorker:
+    """`prepare` runs on the engine thread; `run` (inline, on a thread set up by `init_thread`) or
+    `launch` + `wait` (threaded) do the forward and the sampling.
+
+    Between `launch` and `wait` the engine thread must not allocate or free KV slots, write the
+    request-to-token table, touch the bitmask or the sampler, or change the planned requests'
+    token lists: the forward reads and writes them. Grammar matchers are only used by `prepare`.
+    """
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, threaded: bool):
+        self.runner = runner
+        self.sampler = sampler
+        # torch's intra-op thread count is per thread (OpenMP): a thread starts with its creator's
+        # count and misses later changes made elsewhere, so forward threads set it explicitly.
+        self.num_threads = torch.get_num_threads()
+        self._jobs: queue.SimpleQueue | None = None
+        self._inflight: tuple[ForwardJob, Future] | None = None
+        if threaded:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, name="radixserve-forward", daemon=True).start()
+
+    def prepare(self, plan: ScheduledBatch, bitmask: torch.Tensor | None) -> ForwardJob:
+        """Host-side tensors for the model and the sampler; fills the grammar bitmask."""
+        picked = [
+            (i, r)
+            for i, (r, m) in enumerate(zip(plan.reqs, plan.sample_mask))
+            if m and r.params.max_new_tokens > 0
+        ]
+        reqs = [r for _, r in picked]
+        constrained = [k for k, r in enumerate(reqs) if r.grammar is not None]
+        for k in constrained:
+            reqs[k].grammar.fill_bitmask(bitmask, k)
+        # A grammar decides when the output may end: min_new_tokens must not mask the stop tokens
+        # it allows (that could leave a row with nothing to sample).
+        sampling = (
+            self.sampler.prepare(
+                [
+                    SamplerRow(
+                        replace(r.params, min_new_tokens=0)
+                        if r.grammar is not None and r.params.min_new_tokens
+                        else r.params,
+                        r.origin_input_ids,
+                        r.output_ids,
+                        r.generator,
+                    )
+                    for r in reqs
+                ]
+            )
+            if reqs
+            else None
+        )
+        return ForwardJob(
+            plan,
+            self.runner.prepare(plan),
+            [i for i, _ in picked],
+            reqs,
+            sampling,
+            bitmask if constrained else None,
+            constrained,
+        )
+
+    def run(self, job: ForwardJob) -> ForwardJob:
+        t0 = time.perf_counter()
+        logits = self.runner.forward(job.batch)
+        t1 = time.perf_counter()
+        if job.rows:
+            if len(job.rows) != logits.shape[0]:
+                logits = logits[torch.tensor(job.rows)]
+            if job.constrained:
+                apply_bitmask(logits, job.bitmask, job.constrained)
+            result = self.sampler.sample(logits, job.sampling)
+            job.tokens, job.logprobs = result.token_ids, result.logprobs
+        job.ended_at = time.perf_counter()
+        job.forward_s, job.sample_s = t1 - t0, job.ended_at - t1
+        return job
+
+    # Threaded mode ---------------------------------------------------------------------------
+    def launch(self, job: ForwardJob) -> None:
+        assert self._jobs is not None and self._inflight is None, "one job at a time, threaded only"
+        fut: Future = Future()
+        job.launched_at = time.perf_counter()
+        self._inflight = (job, fut)
+        self._jobs.put((job, fut))
+
+    def wait(self) -> ForwardJob | None:
+        """The launched job once it has run (re-raises its error); None if nothing is in flight."""
+        if self._inflight is None:
+            return None
+        job, fut = self._inflight
+        try:
+            fut.result()
+        finally:
+            self._inflight = None
+        return job
+
+    def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.put(None)
+
+    def init_thread(self) -> None:
+        """Set up the calling thread to run forwards (grad mode and thread count are per thread)."""
+        torch.set_grad_enabled(False)
+        torch.set_num_threads(self.num_threads)
+
+    def init_engine_thread(self) -> None:
+        """Set up the engine thread: it runs the forwards inline, or in threaded mode only small
+        host-side ops, kept serial so that the forward thread owns the process's one OpenMP team
+        (see cpu_runtime.on_short_lived_thread)."""
+        self.init_thread()
+        if self._jobs is not None:
+            torch.set_num_threads(1)
+
+    def _serve(self) -> None:
+        self.init_thread()
+        while True:
+            item: Any = self._jobs.get()
+            if item is None:
+                return
+            job, fut = item
+            try:
+                self.run(job)
+                fut.set_result(job)
+            except BaseException as exc:  # handed to the engine thread, which fails the requests
+                fut.set_exception(exc)

@@ -1,0 +1,114 @@
+"""KV memory of one replica: token slots for K/V tensors, and the per-request slot table.
+
+Pure bookkeeping over integer slot ids plus the raw K/V buffers; it knows nothing about requests
+or the radix tree. Free lists are FIFO deques (O(1) per page): a fresh pool hands out slots in
+ascending order and freed pages go to the back of the queue, so reuse order is deterministic:
+everything never-used is handed out before anything freed, and freed pages come back in the
+order they were freed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class KVPool:
+    """Per-layer K and V tensors over token slots.
+
+    Slot 0 (the whole first page) is reserved as a dummy/padding slot: it is never allocated, so
+    kernels may point padding entries at it and write garbage there. Allocation is by pages of
+    `page_size` slots; slot s lives in page s // page_size, and a request always owns whole pages.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_slots: int,
+        dtype=torch.bfloat16,
+        device="cpu",
+        page_size: int = 1,
+    ):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.size = self.num_pages * page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # torch.empty: the OS maps pages lazily, so an oversized pool costs nothing until touched.
+        shape = (num_slots + page_size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Padding entries point at the dummy page and are masked out, but a masked NaN still
+        # poisons `probs @ V` (0 * NaN): keep the dummy page finite.
+        for buf in self.k_buffers + self.v_buffers:
+            buf[:page_size].zero_()
+        # Page 0 is the reserved dummy page; pages 1..num_pages are allocatable.
+        self._free_pages: deque[int] = deque(range(1, self.num_pages + 1))
+        self._page_free = bytearray(self.num_pages + 1)
+        self._page_free[1:] = b"\x01" * self.num_pages
+
+    def alloc(self, n: int, last_slot: int | None = None) -> list[int] | None:
+        """Return `n` new slots for one request, or None (allocating nothing) if not enough free.
+
+        With page_size > 1 and `last_slot` the request's current last slot, the rest of that slot's
+        page is used first (it already belongs to the request), then whole fresh pages. Position i
+        of a request therefore sits at page offset i % page_size when its first slot starts a page.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        p = self.page_size
+        head: list[int] = []
+        if p > 1 and last_slot is not None and (last_slot + 1) % p != 0:
+            if self._page_free[last_slot // p] or last_slot < p:
+                raise AssertionError(f"last_slot {last_slot} is not in an allocated page")
+            head = list(range(last_slot + 1, min(last_slot + 1 + n, (last_slot // p + 1) * p)))
+        rest = n - len(head)
+        need = -(-rest // p)
+        if need > len(self._free_pages):
+            return None
+        out = head
+        for _ in range(need):
+            page = self._free_pages.popleft()
+            self._page_free[page] = 0
+            start = page * p
+            out.extend(range(start, start + min(p, n - len(out))))
+        return out
+
+    def free(self, slots) -> None:
+        """Return the pages that `slots` live in (a list or 1-D tensor) to the back of the queue.
+
+        The caller owns those pages whole. Double free and freeing the reserved page raise.
+        """
+        if isinstance(slots, torch.Tensor):
+            slots = slots.tolist()
+        p = self.page_size
+        pages = slots if p == 1 else dict.fromkeys(s // p for s in slots)
+        page_free = self._page_free
+        for page in pages:
+            if page <= 0 or page > self.num_pages:
+                raise AssertionError(f"freeing slot page {page}: reserved or out of range")
+            if page_free[page]:
+                raise AssertionError(f"double free of page {page} (slot {page * p})")
+            page_free[page] = 1
+            self._free_pages.append(page)
+
+    def available(self) -> int:
+        """Free slots (free pages * page_size)."""
+        return len(self._free_pages) * self.page_size
+
+    def is_free(self, slot: int) -> bool:
+        """Whether `slot`'s page is on the free list (used by integrity checks)."""
+        return bool(self._page_free[slot // self.page_size])
+
+    @staticmethod
+    def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) -> int:
+        """Bytes one token's K and V take across all layers."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * elem

@@ -1,0 +1,160 @@
+"""Attention over the paged KV pool: a reference backend and the fast CPU backend.
+
+Contract of `forward(q, k, v, layer_id, batch, kv_pool)`: q [T, H, D], k/v [T, KVH, D] for the T
+new tokens of `batch`. The backend first writes k/v into `kv_pool.{k,v}_buffers[layer_id]` at
+`batch.out_slots`, then lets each new token of sequence i attend to the sequence's cached prefix
+and to the new tokens up to and including itself (causal, aligned to the end of the sequence).
+Returns [T, H, D] in q's dtype. H must be a multiple of KVH (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels import cpu_ops
+from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+
+
+class AttentionBackend:
+    name = "base"
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Called once per forward, before the first layer; caches masks in batch.attn_metadata."""
+
+    def forward(self, q, k, v, layer_id: int, batch: ForwardBatch, kv_pool) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool) -> None:
+    k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+    k_buf.index_copy_(0, batch.out_slots, k.to(k_buf.dtype))
+    v_buf.index_copy_(0, batch.out_slots, v.to(v_buf.dtype))
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """Obviously-correct float32 math, one sequence at a time. For tests, not for speed."""
+
+    name = "torch_ref"
+
+    def forward(self, q, k, v, layer_id, batch, kv_pool):
+        store_kv(k, v, layer_id, batch, kv_pool)
+        k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+        group = q.shape[1] // k.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out = torch.empty_like(q)
+        cu = batch.cu_extend
+        for i, (seq_len, prefix) in enumerate(zip(batch.seq_lens_list, batch.prefix_lens_list)):
+            slots = batch.kv_indices[i, :seq_len]
+            keys = k_buf[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
+            values = v_buf[slots].float().repeat_interleave(group, dim=1)
+            queries = q[cu[i] : cu[i + 1]].float()  # [E, H, D]
+            scores = torch.einsum("ehd,lhd->hel", queries, keys) * scale
+            query_pos = prefix + torch.arange(queries.shape[0]).unsqueeze(1)
+            key_pos = torch.arange(seq_len).unsqueeze(0)
+            scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[cu[i] : cu[i + 1]] = torch.einsum("hel,lhd->ehd", probs, values).to(q.dtype)
+        return out
+
+
+@dataclass
+class _ExtendSeq:
+    start: int  # first row of this sequence's new tokens
+    end: int
+    slots: torch.Tensor | None  # KV slots of the whole sequence; None when there is no prefix
+    mask: torch.Tensor | None  # [E, L] bool, True = attend; None = plain causal over new tokens
+
+
+@dataclass
+class _ExtendMeta:
+    kv_indices: torch.Tensor  # contiguous int64 copies for the C++ kernel
+    seq_lens: torch.Tensor
+    cu_extend: torch.Tensor  # [B + 1]
+    seqs: list[_ExtendSeq] | None = None  # built on first use by the SDPA fallback
+
+
+class CpuBackend(AttentionBackend):
+    """The fast CPU path: fused C++ kernels (kernels/cpu_ops) reading K/V straight from the pool.
+
+    Decode: each sequence's K/V rows are read once for all query heads of their KV group, float32
+    softmax and accumulation (torch's flash-attention CPU kernel is several times slower for one
+    query per sequence). Extend: one call for the whole batch, flash-style blocks of 32 tokens over
+    key blocks with causal block skipping; about 2x torch SDPA at 128-512 tokens.
+    Without the extension: decode is one index_select per buffer and two batched matmuls, extend is
+    SDPA per sequence (is_causal without a prefix, a bottom-right causal mask with one).
+    """
+
+    name = "cpu"
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        kv_indices, seq_lens = batch.kv_indices.contiguous(), batch.seq_lens.contiguous()
+        if batch.mode == ForwardMode.DECODE:
+            batch.attn_metadata = (kv_indices, seq_lens)
+        else:
+            cu = torch.tensor(batch.cu_extend, dtype=torch.int64, device=kv_indices.device)
+            batch.attn_metadata = _ExtendMeta(kv_indices, seq_lens, cu)
+
+    def forward(self, q, k, v, layer_id, batch, kv_pool):
+        store_kv(k, v, layer_id, batch, kv_pool)
+        if batch.attn_metadata is None:
+            self.prepare(batch)
+        k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+        if batch.mode == ForwardMode.DECODE:
+            kv_indices, seq_lens = batch.attn_metadata
+            out = cpu_ops.decode_attention(q.to(k_buf.dtype), k_buf, v_buf, kv_indices, seq_lens)
+            return out.to(q.dtype)
+        meta = batch.attn_metadata
+        out = cpu_ops.extend_attention_native(
+            q.to(k_buf.dtype), k_buf, v_buf, meta.kv_indices, meta.seq_lens, meta.cu_extend
+        )
+        if out is not None:
+            return out.to(q.dtype)
+        if meta.seqs is None:
+            meta.seqs = _extend_seqs(batch)
+        return _extend_sdpa(q, k, v, k_buf, v_buf, meta.seqs)
+
+
+def _extend_seqs(batch: ForwardBatch) -> list[_ExtendSeq]:
+    seqs = []
+    cu = batch.cu_extend
+    device = batch.kv_indices.device
+    for i, (seq_len, prefix) in enumerate(zip(batch.seq_lens_list, batch.prefix_lens_list)):
+        if prefix == 0:
+            seqs.append(_ExtendSeq(cu[i], cu[i + 1], None, None))
+            continue
+        query_pos = prefix + torch.arange(seq_len - prefix, device=device).unsqueeze(1)
+        mask = torch.arange(seq_len, device=device).unsqueeze(0) <= query_pos
+        seqs.append(_ExtendSeq(cu[i], cu[i + 1], batch.kv_indices[i, :seq_len], mask))
+    return seqs
+
+
+def _extend_sdpa(q, k, v, k_buf, v_buf, seqs: list[_ExtendSeq]) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for seq in seqs:
+        queries = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
+        if seq.slots is None:
+            keys = k[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+            values = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            keys = k_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            values = v_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, enable_gqa=True)
+        out[seq.start : seq.end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+_BACKENDS = {"torch_ref": TorchReferenceBackend, "cpu": CpuBackend}
+
+
+def get_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
+    """ "auto" picks the fastest backend for `device` (the CPU backend on CPU)."""
+    if name == "auto":
+        name = "cpu"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
+    return _BACKENDS[name]()

@@ -1,0 +1,58 @@
+"""What one forward pass needs: built by the model runner, read by the model and attention kernels."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill of new tokens after a (possibly empty) cached prefix
+    DECODE = "decode"  # exactly one new token per sequence
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors for one step over B sequences and T new tokens (T == B in decode).
+
+    New tokens of sequence i occupy rows [cu_extend[i], cu_extend[i+1]) of input_ids/positions.
+    `kv_indices[i, :seq_lens[i]]` are the KV pool slots of every position of sequence i, the new
+    tokens included (their K/V are written to `out_slots` before attention reads them); entries past
+    `seq_lens[i]` are arbitrary valid slots and must be masked out.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64: where each new token's K/V is written
+    seq_lens: torch.Tensor  # [B] int64: KV length after this step (prefix + new)
+    extend_lens: torch.Tensor  # [B] int64: new tokens per sequence
+    kv_indices: torch.Tensor  # [B, max(seq_lens)] int64
+    logits_indices: torch.Tensor  # [B] int64: row of T whose logits are returned
+    seq_lens_list: list[int] = field(default_factory=list)
+    extend_lens_list: list[int] = field(default_factory=list)
+    # Scratch space an attention backend fills once per batch (masks, offsets) and reuses
+    # across layers.
+    attn_metadata: Any | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def prefix_lens_list(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens_list, self.extend_lens_list)]
+
+    @property
+    def cu_extend(self) -> list[int]:
+        out = [0]
+        for n in self.extend_lens_list:
+            out.append(out[-1] + n)
+        return out
