@@ -8,7 +8,11 @@ A Ray started here serves this machine only, so it listens on loopback only: its
 127.0.0.1 (Ray's single-machine mode, the one it uses on macOS and Windows), which puts GCS, the
 raylet, every worker's gRPC server, the dashboard agent, the runtime-env agent and the metrics
 ports (autoscaler, dashboard, `--ray-metrics-export-port`) on 127.0.0.1; the dashboard itself is
-not started. Serve's HTTP proxy binds `--host` (127.0.0.1 unless told otherwise).
+not started. Serve's HTTP proxy binds `--host` (127.0.0.1 unless told otherwise). One kind of
+socket cannot follow: every Serve replica's inter-deployment gRPC server, which Ray Serve binds to
+`[::]:0` unconditionally (ray/serve/_private/replica.py). It is why this Ray runs with token
+authentication (RAY_AUTH_MODE=token unless the environment says otherwise; Ray keeps the token
+in ~/.ray/auth_token): that server, like every Ray server, then refuses callers without it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ logger = logging.getLogger("radixserve")
 # Read by Ray when it is imported (ray._private.ray_constants.ENABLE_RAY_CLUSTER): "0" makes a new
 # local instance take 127.0.0.1 as its node IP, and Ray's servers bind the node IP.
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 USAGE = """usage: radixserve serve [flags]   (radixserve serve --help lists them)
 
@@ -60,6 +65,7 @@ def ray_init_kwargs(args: ServerArgs, address: str | None) -> dict[str, Any]:
 
 def _loopback_only() -> None:
     os.environ[SINGLE_MACHINE_ENV] = "0"  # for the processes Ray starts
+    os.environ.setdefault(AUTH_MODE_ENV, "token")
     if "ray" in sys.modules:  # this process read the constant when it imported Ray
         from ray._private import ray_constants
 
