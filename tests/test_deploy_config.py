@@ -106,6 +106,7 @@ def test_serve_yaml_passes_serves_schema_and_our_arguments():
 
 
 def test_promtool_checks_the_prometheus_config(promtool):
+    # README: promtool check config deploy/prometheus.yml
     out = subprocess.run(
         [promtool, "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True, text=True
     )
@@ -114,6 +115,7 @@ def test_promtool_checks_the_prometheus_config(promtool):
 
 
 def test_alert_rules_pass_their_promtool_tests(promtool):
+    # README: promtool test rules deploy/alerts_test.yml
     out = subprocess.run(
         [promtool, "test", "rules", str(DEPLOY / "alerts_test.yml")], capture_output=True, text=True
     )

@@ -53,7 +53,8 @@ class App:
 def app(tmp_path_factory) -> Iterator[App]:
     port, ray_metrics_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "radixserve.cluster.cli", "serve", "--port", str(port), "--dp", "2"]
+    # README: radixserve serve --dp 2 --ray-metrics-export-port 8080
+    cmd = [str(Path(sys.executable).parent / "radixserve"), "serve", "--port", str(port), "--dp", "2"]
     cmd += ["--num-threads", "1", "--max-total-tokens", "2048", "--router-sync-interval-s", "1"]
     cmd += ["--ray-metrics-export-port", str(ray_metrics_port)]
     proc = start(cmd, url, tmp_path_factory.mktemp("cli") / "cli.log")
@@ -94,6 +95,7 @@ def prometheus(app, prometheus_bin, tmp_path_factory) -> Iterator[httpx.Client]:
     (d / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(app)))
     port = free_port()
     log = (d / "prometheus.log").open("w")
+    # README: prometheus --config.file=deploy/prometheus.yml
     proc = subprocess.Popen(
         [
             prometheus_bin,
