@@ -51,9 +51,10 @@ def _on_signal(signum: int, frame: object) -> None:
 
 
 def ray_init_kwargs(args: ServerArgs, address: str | None) -> dict[str, Any]:
-    """`ray.init` options: join `address`, or (None) start a loopback-only instance."""
+    """`ray.init` options: join `address`, or (None) start a loopback-only instance of our own,
+    never one that another `ray start` on this machine recorded as its "current cluster"."""
     kwargs: dict[str, Any] = {
-        "address": address,
+        "address": address or "local",
         "include_dashboard": False,
         "logging_level": args.http.log_level.upper(),
         "configure_logging": True,
