@@ -103,6 +103,13 @@ def test_serve_yaml_passes_serves_schema_and_our_arguments():
     args = ServerArgs.from_dict(app.args)
     assert args.http.port == config["http_options"]["port"]
     assert config["http_options"]["host"] == "127.0.0.1"
+    # The per-deployment options name deployments the app really has.
+    from radixserve.router.frontend.ingress import IngressDeployment
+    from radixserve.workers.replica import EngineReplica
+
+    overrides = {d.name: d for d in app.deployments}
+    assert set(overrides) == {EngineReplica.name, IngressDeployment.name}
+    assert overrides[EngineReplica.name].graceful_shutdown_timeout_s >= 60
 
 
 def test_promtool_checks_the_prometheus_config(promtool):
