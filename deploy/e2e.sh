@@ -6,9 +6,9 @@
 # Run from the repository root of a checkout whose .venv `make setup` made (it is the "laptop"):
 #   bash deploy/e2e.sh
 # Needs root (apt-get, sshd, namespaces). Exits non-zero on any failure; prints every step.
-# About 6-9 minutes on 2 shared cores (ray up, which installs the project into the node's
-# virtualenv, 3-5; the app's first start with its kernel build, 2-3); E2E_TIMEOUT_S (default
-# 1200) bounds it.
+# About 4 minutes on 2 busy cores (`ray up`, which installs the project into the node's
+# virtualenv, ~2; the app's first start with its kernel build, ~1); E2E_TIMEOUT_S (default 1200)
+# bounds it.
 #
 # Isolation, so that it is idempotent and safe beside other Ray instances on the machine:
 #  - `ray down` (and the config's own start commands) run `ray stop`, which stops every Ray
@@ -196,6 +196,12 @@ on_head() {  # a command on the head, as `ray exec` runs it (a login shell over 
 # (with this run's GCS port: the run's Ray keeps its files under its own --temp-dir)
 on_head "ray status --address=127.0.0.1:$GCS_PORT" | tee "$RUN/status.txt"
 grep -q "1 local.cluster.node" "$RUN/status.txt" || fail "the head is not in ray status"
+
+step "the cluster refuses a caller without its token (RAY_AUTH_MODE=disabled ray status)"
+if RAY_AUTH_MODE=disabled timeout 60 "$RAY" status --address="127.0.0.1:$GCS_PORT" > "$RUN/noauth.txt" 2>&1; then
+  cat "$RUN/noauth.txt"; fail "ray status without the token succeeded"
+fi
+grep -i -m 3 -E "unauthenticated|authentication|token" "$RUN/noauth.txt" || { tail -n 5 "$RUN/noauth.txt"; fail "no authentication error"; }
 
 step "serve deploy ~/e2e-serve.yaml (deploy/serve.yaml with this run's port), then wait for RUNNING"
 # README: ray exec deploy/cluster.yaml 'serve deploy ~/radixserve/deploy/serve.yaml'
