@@ -2,11 +2,13 @@
 # The operator's path, end to end, on this one machine:
 #   SSH server on 127.0.0.1 -> `ray up` of deploy/cluster.yaml (this machine as the head; the
 #   setup commands make the node's virtualenv and install the project) -> `serve deploy` of
-#   deploy/serve.yaml on the cluster -> one OpenAI chat completion -> `ray down` -> nothing left.
+#   deploy/serve.yaml on the cluster -> one OpenAI chat completion -> Prometheus with
+#   deploy/prometheus.yml scrapes the server and the nodes the head lists -> `ray down` ->
+#   nothing left.
 # Run from the repository root of a checkout whose .venv `make setup` made (it is the "laptop"):
 #   bash deploy/e2e.sh
 # Needs root (apt-get, sshd, namespaces). Exits non-zero on any failure; prints every step.
-# About 4 minutes on 2 busy cores (`ray up`, which installs the project into the node's
+# About 4-5 minutes on 2 busy cores (`ray up`, which installs the project into the node's
 # virtualenv, ~2; the app's first start with its kernel build, ~1); E2E_TIMEOUT_S (default 1200)
 # bounds it.
 #
@@ -32,8 +34,8 @@ fail() { printf '\nE2E FAILED: %s\n' "$*" >&2; exit 1; }
 if [ -z "${RADIXSERVE_E2E_INSIDE:-}" ]; then
   [ "$(id -u)" = 0 ] || fail "run as root (apt-get, sshd, namespaces)"
   [ -x "$LAPTOP_VENV/bin/ray" ] || fail "$LAPTOP_VENV/bin/ray missing: run \`make setup\` first"
-  step "installing openssh-server, rsync, netcat-openbsd (services not started)"
-  bash "$REPO/deploy/apt-install.sh" openssh-server rsync netcat-openbsd
+  step "installing openssh-server, rsync, netcat-openbsd, prometheus (services not started)"
+  bash "$REPO/deploy/apt-install.sh" openssh-server rsync netcat-openbsd prometheus
   step "entering private PID and mount namespaces"
   start=$(date +%s)
   set +e
@@ -236,6 +238,44 @@ r = client.chat.completions.create(
 print(f"{r.model}: {r.choices[0].message.content!r} ({r.usage.completion_tokens} tokens, {r.choices[0].finish_reason})")
 assert r.usage.completion_tokens > 0 and r.choices[0].finish_reason in ("stop", "length")
 EOF
+
+step "Prometheus with deploy/prometheus.yml finds the cluster's nodes in the head's discovery file"
+# As on a real head, but for this run's ports and Ray temp dir, and a 2 s scrape.
+PROM_PORT=$(free_port)
+export PROM_PORT
+"$PY" - <<'EOF2'
+import os, yaml
+
+env = os.environ
+c = yaml.safe_load(open(f"{env['REPO']}/deploy/prometheus.yml"))
+c["global"] = {"scrape_interval": "2s", "evaluation_interval": "2s"}
+c["rule_files"] = [f"{env['REPO']}/deploy/{f}" for f in c["rule_files"]]
+jobs = {j["job_name"]: j for j in c["scrape_configs"]}
+jobs["radixserve"]["static_configs"] = [{"targets": [f"127.0.0.1:{env['HTTP_PORT']}"]}]
+(sd,) = jobs["ray"]["file_sd_configs"]
+assert sd["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+sd["files"] = [f"{env['RUN']}/ray/prom_metrics_service_discovery.json"]
+yaml.safe_dump(c, open(f"{env['RUN']}/prometheus.yml", "w"))
+EOF2
+promtool check config "$RUN/prometheus.yml" >/dev/null
+prometheus --config.file="$RUN/prometheus.yml" --storage.tsdb.path="$RUN/prometheus" \
+  --web.listen-address="127.0.0.1:$PROM_PORT" > "$RUN/prometheus.log" 2>&1 &
+PROM_PID=$!
+t0=$(date +%s)
+until curl -s "http://127.0.0.1:$PROM_PORT/api/v1/targets" > "$RUN/targets.json" 2>/dev/null && "$PY" - "$RUN/targets.json" "$METRICS_PORT" <<'EOF2'
+import json, sys
+
+targets = json.load(open(sys.argv[1]))["data"]["activeTargets"]
+health = {(t["labels"]["job"], t["labels"]["instance"].rsplit(":", 1)[1]): t["health"] for t in targets}
+print("targets:", health)
+ray = [h for (job, port), h in health.items() if job == "ray" and port == sys.argv[2]]
+sys.exit(0 if ray == ["up"] and [h for (job, _), h in health.items() if job == "radixserve"] == ["up"] else 1)
+EOF2
+do
+  [ $(( $(date +%s) - t0 )) -lt 120 ] || { tail -n 20 "$RUN/prometheus.log"; fail "Prometheus did not scrape both jobs"; }
+  sleep 3
+done
+kill "$PROM_PID"; wait "$PROM_PID" 2>/dev/null || true
 
 step "ray down -y $CONFIG"
 # README: ray down -y deploy/cluster.yaml
