@@ -5,6 +5,7 @@ config`, and the alert rules pass their `promtool test rules` cases. No Ray clus
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -145,3 +146,35 @@ def test_alert_rule_tests_fail_when_a_rule_changes(promtool, tmp_path):
         [promtool, "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True, text=True
     )
     assert out.returncode != 0 and "RadixServeKVPoolExhausted" in out.stdout + out.stderr
+
+
+def test_radixserve_serve_starts_its_own_loopback_ray_or_joins_the_given_one(monkeypatch):
+    from ray._private import ray_constants
+
+    from radixserve.cluster import cli
+    from radixserve.cluster.config import parse_cli
+
+    args = parse_cli(["--ray-metrics-export-port", "8080", "--log-level", "warning"])
+    own = cli.ray_init_kwargs(args, None)
+    # "local": a new instance, even where another one is recorded as this machine's current cluster
+    assert own == {
+        "address": "local",
+        "include_dashboard": False,
+        "logging_level": "WARNING",
+        "configure_logging": True,
+        "_metrics_export_port": 8080,
+    }
+    joined = cli.ray_init_kwargs(args, "10.0.0.1:6379")
+    assert joined["address"] == "10.0.0.1:6379" and "_metrics_export_port" not in joined
+
+    monkeypatch.delenv(cli.AUTH_MODE_ENV, raising=False)
+    monkeypatch.setenv(cli.SINGLE_MACHINE_ENV, "1")
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    cli._loopback_only()
+    assert ray_constants.ENABLE_RAY_CLUSTER is False  # this process already imported Ray
+    assert (os.environ[cli.SINGLE_MACHINE_ENV], os.environ[cli.AUTH_MODE_ENV]) == ("0", "token")
+    monkeypatch.setenv(cli.AUTH_MODE_ENV, "disabled")  # the user's explicit choice stays
+    cli._loopback_only()
+    assert os.environ[cli.AUTH_MODE_ENV] == "disabled"
+    with pytest.raises(SystemExit):
+        parse_cli(["--ray-metrics-export-port", "0"])
