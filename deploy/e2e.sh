@@ -40,7 +40,7 @@ if [ -z "${RADIXSERVE_E2E_INSIDE:-}" ]; then
   start=$(date +%s)
   set +e
   RADIXSERVE_E2E_INSIDE=1 timeout -k 30 "${E2E_TIMEOUT_S:-1200}" \
-    unshare --pid --fork --kill-child --mount-proc --propagation private bash "${BASH_SOURCE[0]}" "$@"
+    unshare --pid --fork --kill-child=SIGTERM --mount-proc --propagation private bash "${BASH_SOURCE[0]}" "$@"
   rc=$?
   set -e
   [ $rc = 124 ] && echo "E2E FAILED: over E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-1200}s" >&2
@@ -84,6 +84,7 @@ cleanup() {
   exit $rc
 }
 trap cleanup EXIT
+trap 'exit 143' TERM INT  # PID 1 ignores signals it has no handler for: E2E_TIMEOUT_S, Ctrl-C
 
 step "a fresh home for root ($RUN/home, a tmpfs), sharing the machine's ${SHARED_DIRS[*]}"
 # In memory: the node's virtualenv installs faster and goes with one umount (no slow rm -rf).
