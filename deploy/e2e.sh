@@ -80,7 +80,11 @@ cleanup() {
   else
     rm -rf --one-file-system "$RUN"
   fi
+  # What `ray up` / `ray exec` leave on the laptop side: the cluster's state, its cached config,
+  # its SSH control sockets' directory.
   rm -f "/tmp/ray/cluster-$CLUSTER.state" "/tmp/ray/cluster-$CLUSTER.lock"
+  grep -l "\"cluster_name\": \"$CLUSTER\"" /tmp/ray-config-* 2>/dev/null | xargs -r rm -f
+  rm -rf "/tmp/ray_ssh_$(printf %s "$(id -un)" | sha256sum | cut -c1-10)/$(printf %s "$CLUSTER" | sha256sum | cut -c1-10)"
   exit $rc
 }
 trap cleanup EXIT
