@@ -29,6 +29,11 @@ class App:
         self.last: list[str] = []
 
     async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["path"] == "/early":  # answers before reading the body (as an auth check does)
+            self.last.append("early")
+            await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
         size = 0
         while True:
             message = await receive()
@@ -195,3 +200,10 @@ async def test_a_client_still_sending_a_big_body_reads_the_413(server):
     status, err = status_and_error(await asyncio.wait_for(reader.read(), 10))
     writer.close()
     assert (status, err["code"]) == (413, "request_too_large")
+
+
+async def test_a_stalled_body_after_an_early_answer_just_closes(server):
+    port, app = server
+    raw = await exchange(port, b"POST /early HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" + b"d" * 10)
+    assert raw.startswith(b"HTTP/1.1 401 ") and raw.count(b"HTTP/1.1") == 1  # no 408 after it
+    assert app.last == ["early"]

@@ -2,8 +2,8 @@
 
 Bodies are parsed by hand (`model_validate_json`) rather than by FastAPI's parameter binding, so
 every malformed or invalid body is a 400 in OpenAI's shape; FastAPI's 422 handler is replaced too,
-for anything that still reaches it. Whatever a route raises is mapped by `errors.from_exception`:
-internals never reach a client.
+for anything that still reaches it. Whatever a route raises is mapped by `errors.from_exception`
+(in `ContainErrors`): internals never reach a client.
 
 Health: `/health` is the HTTP server's liveness (200 while this process serves). Readiness means
 an engine can serve: `/ready` asks every engine replica for its stats and is 200 when at least one
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 
 from radixserve.router.frontend import errors, serving
 from radixserve.router.frontend.responses import Sequences
@@ -81,6 +82,34 @@ class Guard:
         await self.app(scope, counted_receive, send)
 
 
+class ContainErrors:
+    """ASGI middleware: whatever a route raises becomes the client's error here, once. (Starlette's
+    own last-resort handler re-raises after answering, and Serve would then answer again with
+    the exception's text.) After a response started, the stream's own in-band error has been
+    sent, so the exception is only logged."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:
+            rid = errors.request_id(HTTPConnection(scope))
+            error = errors.from_exception(exc, rid)
+            if not started:
+                await error.response()(scope, receive, send)
+
+
 async def parse(request: Request, schema: type[BaseModel]) -> Any:
     return schema.model_validate_json(await request.body())
 
@@ -105,12 +134,12 @@ def add_error_handlers(app: FastAPI) -> None:
         return errors.APIError(exc.status_code, str(exc.detail)).response()
 
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, api_error)
 
 
 def build_api(ing: Ingress) -> FastAPI:
     app = FastAPI(title="RadixServe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, api_key=ing.http.api_key, max_bytes=ing.http.max_request_bytes)
+    app.add_middleware(ContainErrors)  # outermost: it also sees what the Guard raises
     add_error_handlers(app)
     started = int(time.time())
 
@@ -118,10 +147,7 @@ def build_api(ing: Ingress) -> FastAPI:
         path: str, schema: type[BaseModel], fn: Callable[[Ingress, Any, Request], Awaitable[Response]]
     ) -> None:
         async def route(request: Request) -> Response:
-            try:
-                return await fn(ing, await parse(request, schema), request)
-            except Exception as e:
-                return errors.from_exception(e, errors.request_id(request)).response()
+            return await fn(ing, await parse(request, schema), request)
 
         app.add_api_route(path, route, methods=["POST"])
 
@@ -159,7 +185,8 @@ def build_api(ing: Ingress) -> FastAPI:
     async def ready() -> Response:
         try:
             replicas = len(await ing.replica_stats(timeout_s=READY_TIMEOUT_S))
-        except TimeoutError:
+        except Exception as e:  # a timeout, or Serve finding no replica to ask
+            errors.logger.warning("readiness check: %r", e)
             replicas = 0
         if not replicas:
             return errors.not_ready("no engine replica answered").response()

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.requests import HTTPConnection
+from starlette.requests import ClientDisconnect, HTTPConnection
 
 from radixserve.workers.protocol import InvalidRequest, QueueFull
 
@@ -131,6 +131,8 @@ def from_exception(exc: BaseException, request_id: str) -> APIError:
         return queue_full(str(exc))
     if isinstance(exc, ValidationError):
         return from_validation_errors(exc.errors())
+    if isinstance(exc, ClientDisconnect):  # nobody reads this answer; nothing failed here
+        return bad_request("The client disconnected before its request was read.", code="client_disconnected")
     logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
     return internal(request_id)
 

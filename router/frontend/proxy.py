@@ -149,12 +149,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
-        self._in_headers = False
-        self._header_bytes = self._body_bytes = 0
         declared = _content_length(self.headers)
         if declared is not None and declared > self.limits.max_request_bytes:
             self._refuse(413, _too_large(self.limits.max_request_bytes))
             raise _Refused()
+        self._in_headers = False
+        self._header_bytes = self._body_bytes = 0
         super().on_headers_complete()
         self._arm(self.limits.body_timeout_s, self._body_late)
 
@@ -206,19 +206,25 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(408, f"The request body paused for more than {self.limits.body_timeout_s:g}s.")
 
     def _refuse(self, status: int, message: str) -> None:
-        """Answer `status` (unless a response already started) and close the connection."""
+        """Answer `status` and close the connection. No answer where one cannot go: the request
+        was already answered (or its answer has begun), or an earlier request's answer is still
+        being written (pipelining)."""
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
         self._disarm()
         cycle = self.cycle
-        started = cycle is not None and cycle.response_started and not cycle.response_complete
-        if cycle is not None and not cycle.response_complete:
+        busy = cycle is not None and not cycle.response_complete
+        if busy:
             # The app sees a disconnect and its later writes are dropped, as if the client left.
             cycle.disconnected = True
             cycle.message_event.set()
+        # In the header section `cycle` is an earlier request's; in the body, this request's.
+        answerable = cycle is None or (
+            not busy if self._in_headers else not (cycle.response_started or cycle.response_complete)
+        )
         logger.info("HTTP %d for %s: %s", status, self.client, message)
-        if started:
+        if not answerable:
             self._close()
             return
         self.transport.write(_response(status, message))
