@@ -638,3 +638,38 @@ async def test_big_inputs_never_take_every_tokenizer_thread():
     finally:
         release.set()
         pool.close()
+
+
+def test_whatever_a_route_raises_is_answered_once_without_internals():
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from radixserve.router.frontend.api import ContainErrors, add_error_handlers
+
+    app = FastAPI()
+    app.add_middleware(ContainErrors)
+    add_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom() -> dict:
+        raise RuntimeError("actor 9f3e died on 10.0.0.7 (pid=4242), see /tmp/ray/session_latest")
+
+    @app.get("/bad")
+    async def bad() -> dict:
+        raise InvalidRequest("'seed' is out of range", "seed")
+
+    with TestClient(app, raise_server_exceptions=True) as c:
+        r = c.get("/boom", headers={"x-request-id": "abc-123"})
+        assert (r.status_code, r.json()) == (
+            500,
+            {
+                "error": {
+                    "message": "Internal server error (request id abc-123)",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "internal_error",
+                }
+            },
+        )
+        r = c.get("/bad")
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "seed")
