@@ -227,6 +227,7 @@ async def _prompts(ing: Ingress, prompt: Any, n: int) -> tuple[list[list[int]], 
             ids_list.append(await encode_prompt(ing, p, "prompt"))
             texts.append(p)
         else:
+            check_prompt_fits(len(p), ing.card.context_length, "prompt")  # before a long scan
             tok.check_ids(p, "prompt")
             if not p:
                 raise errors.bad_request("'prompt' must not be empty", "prompt")
@@ -297,6 +298,7 @@ async def generate(ing: Ingress, req: GenerateHTTPRequest, http: Request) -> Res
     if req.text is not None:
         ids = await encode_prompt(ing, req.text, "text")
     else:
+        check_prompt_fits(len(req.input_ids), ing.card.context_length, "input_ids")
         ing.tokenizer.check_ids(req.input_ids, "input_ids")
         ids = list(req.input_ids)
     if not ids:
