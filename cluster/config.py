@@ -61,14 +61,19 @@ class DeploymentConfig:
             raise ValueError("num_cpus must be >= 0")
 
 
+_POLICY = PolicyConfig()  # the policy knobs' defaults live there
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """How the ingress chooses an engine replica (router/routing/policy.py, router/routing/request_router.py)."""
 
     router_policy: str | None = None  # None: cache_aware with dp > 1, else round_robin
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
+    cache_threshold: float = _POLICY.cache_threshold
+    min_match_tokens: int = _POLICY.min_match_tokens
+    load_cost_tokens: int = _POLICY.load_cost_tokens
+    balance_abs_threshold: int = _POLICY.balance_abs_threshold
+    balance_rel_threshold: float = _POLICY.balance_rel_threshold
     router_sync_interval_s: float = 5.0  # how often replicas' caches and loads correct the policy
 
     def __post_init__(self) -> None:
@@ -81,6 +86,8 @@ class RouterConfig:
         return {
             "policy": self.router_policy or default_policy,
             "cache_threshold": self.cache_threshold,
+            "min_match_tokens": self.min_match_tokens,
+            "load_cost_tokens": self.load_cost_tokens,
             "balance_abs_threshold": self.balance_abs_threshold,
             "balance_rel_threshold": self.balance_rel_threshold,
         }
@@ -168,6 +175,10 @@ HELP = {
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
     "router_policy": f"replica choice: {' | '.join(POLICY_NAMES)} (default: cache_aware if dp > 1)",
     "cache_threshold": "cache_aware: prefix match rate above which the matching replica wins",
+    "min_match_tokens": "cache_aware: ... and prefix match length (tokens) below which a match "
+    "never counts (a chat template's shared header is no reason to queue behind others)",
+    "load_cost_tokens": "cache_aware: matched tokens that pay for each request the matching "
+    "replica carries beyond the least loaded one (0: load never outweighs a match)",
     "balance_abs_threshold": "cache_aware: imbalanced if max load - min load exceeds this ...",
     "balance_rel_threshold": "... and max load exceeds min load times this",
     "router_sync_interval_s": "seconds between replica cache/load reports to the router",
