@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from radixserve.router.frontend.tenants import ApiKeys
 from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
 from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
 
@@ -28,13 +29,18 @@ class HTTPConfig:
 
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # one shared tenant
+    api_keys_file: str | None = None  # tenants and their keys (router/frontend/tenants.py)
+    admin_api_key: str | None = None  # the key of the admin routes
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        # A bad keys file is a start-up error here, before Ray starts; the ingress reads the file
+        # again, at the same path on its own node (as engine replicas read model_path).
+        ApiKeys.from_settings(self.api_key, self.api_keys_file, self.admin_api_key)
         if self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be >= 1")
         if self.log_level not in LOG_LEVELS:
@@ -167,7 +173,12 @@ HELP = {
     "disable_radix_cache": "turn prefix caching off",
     "radix_eviction_policy": "lru (least recently used leaf first) | lfu (least used, then least "
     "recently used: one-off suffixes go before shared prefixes)",
-    "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health",
+    "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health (one shared "
+    "tenant; its key opens the admin routes unless --admin-api-key is set)",
+    "api_keys_file": "YAML/JSON mapping of tenant name to key or list of keys ('acme: sk-1' lines); "
+    "each tenant gets its own prefix cache, routing and request ids (not with --api-key)",
+    "admin_api_key": "the key of the admin routes (/flush_cache), and of aborting any request "
+    "('<tenant>/<rid>')",
     "dp": "number of engine replicas (data parallel)",
     "replica_num_cpus": "Ray CPUs per engine replica, also its torch threads (default: the smallest "
     "node's CPUs split among the replicas it must hold)",
