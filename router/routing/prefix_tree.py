@@ -255,8 +255,10 @@ class PrefixTree:
 
     def _split(self, node: _Node, k: int) -> _Node:
         """Cut `node` after its first k tokens; return the new upper half (same claims)."""
-        upper = _Node(node.key[:k], node.parent)
-        node.parent.children[upper.key[0]] = upper
+        parent = node.parent
+        assert parent is not None  # roots are never split, claimed or deleted
+        upper = _Node(node.key[:k], parent)
+        parent.children[upper.key[0]] = upper
         node.key = node.key[k:]
         node.parent = upper
         upper.children[node.key[0]] = node
@@ -272,6 +274,7 @@ class PrefixTree:
             self._claims.setdefault(replica_id, set()).add(node)
             self._replica_tokens[replica_id] = self.replica_tokens(replica_id) + len(node.key)
             parent = node.parent
+            assert parent is not None
             parent.child_claims[replica_id] = parent.child_claims.get(replica_id, 0) + 1
         node.replicas[replica_id] = self._clock
 
@@ -283,6 +286,7 @@ class PrefixTree:
             self._replica_tokens[replica_id] -= len(node.key)
         for node in nodes:
             parent = node.parent
+            assert parent is not None
             left = parent.child_claims[replica_id] - 1
             if left:
                 parent.child_claims[replica_id] = left
@@ -298,6 +302,7 @@ class PrefixTree:
         # Prefix-closure: a node nobody claims has no claimed descendants, so none survive it.
         node.alive = False
         parent = node.parent
+        assert parent is not None
         if parent.children.get(node.key[0]) is node:
             del parent.children[node.key[0]]
         if parent.parent is None and not parent.children:
@@ -361,7 +366,8 @@ class PrefixTree:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping disagrees with the tree (for tests)."""
-        tokens, nodes, claims = 0, 0, {}
+        tokens, nodes = 0, 0
+        claims: dict[str, set[_Node]] = {}
         for namespace, root in self._roots.items():
             assert root.namespace == namespace and root.parent is None and not root.replicas
             assert root.children, "an empty root was kept"
@@ -372,7 +378,7 @@ class PrefixTree:
             tokens += len(node.key)
             nodes += 1
             assert node.alive and node.key and node.replicas, "empty or dead node in tree"
-            assert node.parent.children[node.key[0]] is node
+            assert node.parent is not None and node.parent.children[node.key[0]] is node
             counts = _claim_counts(node)
             assert set(counts) <= set(node.replicas), "claims are not prefix-closed"
             assert counts == node.child_claims, "child_claims out of date"

@@ -77,7 +77,7 @@ class PolicyRequestRouter(RequestRouter):
         loads = self.state.loads(list(by_id))
         ranked = [by_id[x.replica_id] for x in sorted(loads, key=lambda x: (x.load, x.replica_id))]
         prompt = routed_prompt(pending_request)
-        if prompt is None:
+        if prompt is None or pending_request is None:
             return [ranked]
         request_id = pending_request.metadata.internal_request_id
         chosen = self.state.route(request_id, prompt.token_ids, list(by_id), prompt.namespace).replica_id
