@@ -34,10 +34,12 @@ class PolicyConfig:
     """Router policy knobs: the one home of their defaults (the server's RouterConfig derives
     its own from these). cache_threshold and the balance thresholds follow SGLang's router
     (sgl-router RouterArgs); min_match_tokens and load_cost_tokens are CacheAwarePolicy's
-    guards against affinity that does not pay (see there). 64 tokens: chat templates put 20 to
-    40 identical tokens (role headers, a default system line) in front of unrelated prompts,
-    and a 64-token match is one KV block of the precise prefix routers that hash blocks of 64
-    (vLLM with llm-d's scorer)."""
+    guards against affinity that does not pay (see there). Chat templates put 20 to 40 equal
+    tokens (role headers, a default system line; SmolLM2's: 24) in front of unrelated prompts:
+    min_match_tokens = 64 leaves them out with a margin. load_cost_tokens = 64 prices a request
+    of extra load like one such minimal match: a 300-token prefix keeps its replica while that
+    replica carries at most 4 requests more than the least loaded one; past that, the prefix
+    is computed once more on another replica rather than queued behind the others."""
 
     policy: str = "cache_aware"
     cache_threshold: float = 0.3  # match rate (matched / prompt length) that earns affinity ...
