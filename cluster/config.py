@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from radixserve.router.frontend.tenants import ApiKeys
 from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
 from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
 
@@ -28,13 +29,18 @@ class HTTPConfig:
 
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # one shared tenant
+    api_keys_file: str | None = None  # tenants and their keys (router/frontend/tenants.py)
+    admin_api_key: str | None = None  # the key of the admin routes
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        # A bad keys file is a start-up error here, before Ray starts; the ingress reads the file
+        # again, at the same path on its own node (as engine replicas read model_path).
+        ApiKeys.from_settings(self.api_key, self.api_keys_file, self.admin_api_key)
         if self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be >= 1")
         if self.log_level not in LOG_LEVELS:
@@ -61,14 +67,19 @@ class DeploymentConfig:
             raise ValueError("num_cpus must be >= 0")
 
 
+_POLICY = PolicyConfig()  # the policy knobs' defaults live there
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """How the ingress chooses an engine replica (router/routing/policy.py, router/routing/request_router.py)."""
 
     router_policy: str | None = None  # None: cache_aware with dp > 1, else round_robin
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
+    cache_threshold: float = _POLICY.cache_threshold
+    min_match_tokens: int = _POLICY.min_match_tokens
+    load_cost_tokens: int = _POLICY.load_cost_tokens
+    balance_abs_threshold: int = _POLICY.balance_abs_threshold
+    balance_rel_threshold: float = _POLICY.balance_rel_threshold
     router_sync_interval_s: float = 5.0  # how often replicas' caches and loads correct the policy
 
     def __post_init__(self) -> None:
@@ -81,6 +92,8 @@ class RouterConfig:
         return {
             "policy": self.router_policy or default_policy,
             "cache_threshold": self.cache_threshold,
+            "min_match_tokens": self.min_match_tokens,
+            "load_cost_tokens": self.load_cost_tokens,
             "balance_abs_threshold": self.balance_abs_threshold,
             "balance_rel_threshold": self.balance_rel_threshold,
         }
@@ -160,7 +173,12 @@ HELP = {
     "disable_radix_cache": "turn prefix caching off",
     "radix_eviction_policy": "lru (least recently used leaf first) | lfu (least used, then least "
     "recently used: one-off suffixes go before shared prefixes)",
-    "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health",
+    "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health (one shared "
+    "tenant; its key opens the admin routes unless --admin-api-key is set)",
+    "api_keys_file": "YAML/JSON mapping of tenant name to key or list of keys ('acme: sk-1' lines); "
+    "each tenant gets its own prefix cache, routing and request ids (not with --api-key)",
+    "admin_api_key": "the key of the admin routes (/flush_cache), and of aborting any request "
+    "('<tenant>/<rid>')",
     "dp": "number of engine replicas (data parallel)",
     "replica_num_cpus": "Ray CPUs per engine replica, also its torch threads (default: the smallest "
     "node's CPUs split among the replicas it must hold)",
@@ -168,6 +186,10 @@ HELP = {
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
     "router_policy": f"replica choice: {' | '.join(POLICY_NAMES)} (default: cache_aware if dp > 1)",
     "cache_threshold": "cache_aware: prefix match rate above which the matching replica wins",
+    "min_match_tokens": "cache_aware: ... and prefix match length (tokens) below which a match "
+    "never counts (a chat template's shared header is no reason to queue behind others)",
+    "load_cost_tokens": "cache_aware: matched tokens that pay for each request the matching "
+    "replica carries beyond the least loaded one (0: load never outweighs a match)",
     "balance_abs_threshold": "cache_aware: imbalanced if max load - min load exceeds this ...",
     "balance_rel_threshold": "... and max load exceeds min load times this",
     "router_sync_interval_s": "seconds between replica cache/load reports to the router",

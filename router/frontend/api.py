@@ -1,5 +1,12 @@
 """The FastAPI app: OpenAI routes, SGLang's native routes, and the guards in front of them.
 
+Who may call what (router/frontend/tenants.py holds the keys): /health needs no key; the admin
+routes (ADMIN_ROUTES: /flush_cache) need the admin key, or the single `api_key` when no admin key
+is set; every other route takes any valid key. /metrics and /get_server_info stay open to every
+tenant: they report totals over all tenants (counters, sizes, loads), never a prompt, a request
+id or a per-tenant figure, and key settings show masked. /abort_request aborts only the caller's
+own requests (another tenant's id gets the answer an unknown id gets).
+
 Bodies are parsed by hand (`model_validate_json`) rather than by FastAPI's parameter binding, so
 every malformed or invalid body is a 400 in OpenAI's shape; FastAPI's 422 handler is replaced too,
 for anything that still reaches it.
@@ -7,7 +14,6 @@ for anything that still reaches it.
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -29,6 +35,7 @@ from radixserve.router.frontend.schemas import (
     GenerateHTTPRequest,
     TokenizeRequest,
 )
+from radixserve.router.frontend.tenants import ADMIN_ROUTES, IDENTITY, SECRET_SETTINGS, ApiKeys, identity_of
 from radixserve.workers.protocol import GenerateRequest, InvalidRequest, QueueFull, SamplingParams
 
 if TYPE_CHECKING:
@@ -43,22 +50,26 @@ class BodyTooLarge(Exception):
 
 
 class Guard:
-    """ASGI middleware: API key (constant-time compare) and body size, before any parsing."""
+    """ASGI middleware, before any parsing: the caller's identity from its API key (401 for a
+    wrong one, 403 on an admin route without admin rights), put in the scope's state for the
+    handlers (`identity_of`); then the body size."""
 
-    def __init__(self, app: Any, api_key: str | None, max_bytes: int):
+    def __init__(self, app: Any, keys: ApiKeys, max_bytes: int):
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.keys = keys
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.key is not None and scope["path"] not in AUTH_EXEMPT:
-            auth = headers.get("authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
+        if scope["path"] not in AUTH_EXEMPT:
+            identity = self.keys.identify(headers.get("authorization", b""))
+            if identity is None:
                 return await errors.unauthorized().response()(scope, receive, send)
+            if scope["path"] in ADMIN_ROUTES and not identity.admin:
+                return await errors.forbidden().response()(scope, receive, send)
+            scope.setdefault("state", {})[IDENTITY] = identity
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await errors.too_large(self.max_bytes).response()(scope, receive, send)
@@ -107,7 +118,11 @@ def add_error_handlers(app: FastAPI, max_bytes: int) -> None:
 
 def build_api(ing: Ingress) -> FastAPI:
     app = FastAPI(title="RadixServe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Guard, api_key=ing.api_key, max_bytes=ing.max_request_bytes)
+    settings = ing.server_args
+    keys = ApiKeys.from_settings(
+        settings.get("api_key"), settings.get("api_keys_file"), settings.get("admin_api_key")
+    )
+    app.add_middleware(Guard, keys=keys, max_bytes=ing.max_request_bytes)
     add_error_handlers(app, ing.max_request_bytes)
     started = int(time.time())
 
@@ -177,7 +192,7 @@ def build_api(ing: Ingress) -> FastAPI:
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
-        args = {k: ("***" if k == "api_key" and v else v) for k, v in ing.server_args.items()}
+        args = {k: ("***" if k in SECRET_SETTINGS and v else v) for k, v in ing.server_args.items()}
         replicas = [s.to_dict() for s in await ing.replica_stats()]
         return {
             **args,
@@ -225,4 +240,5 @@ async def detokenize(ing: Ingress, req: DetokenizeRequest, http: Request) -> Res
 
 
 async def abort_request(ing: Ingress, req: AbortRequest, http: Request) -> Response:
-    return JSONResponse({"rid": req.rid, "aborted": await ing.abort(req.rid)})
+    aborted = await ing.abort(identity_of(http).engine_rid(req.rid))
+    return JSONResponse({"rid": req.rid, "aborted": aborted})

@@ -38,6 +38,7 @@ from radixserve.router.frontend.schemas import (
     completion_sampling_params,
     native_sampling_params,
 )
+from radixserve.router.frontend.tenants import Identity, identity_of
 from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams
 
 if TYPE_CHECKING:
@@ -136,11 +137,18 @@ async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def _requests(
-    ids_list: list[list[int]], params: list[SamplingParams], rid: str, stream: bool
+    ids_list: list[list[int]], params: list[SamplingParams], rid: str, stream: bool, who: Identity
 ) -> list[GenerateRequest]:
+    """One request per prompt, in the caller's cache namespace and request-id space."""
     many = len(ids_list) > 1
     return [
-        GenerateRequest(input_ids=ids, sampling_params=p, rid=f"{rid}-{k}" if many else rid, stream=stream)
+        GenerateRequest(
+            input_ids=ids,
+            sampling_params=p,
+            rid=who.engine_rid(f"{rid}-{k}" if many else rid),
+            namespace=who.namespace,
+            stream=stream,
+        )
         for k, (ids, p) in enumerate(zip(ids_list, params))
     ]
 
@@ -153,7 +161,7 @@ async def chat(ing: Ingress, req: ChatCompletionRequest, http: Request) -> Respo
     ids = ing.tokenizer.encode_chat(messages)
     params = chat_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
     rid = req.rid or new_id("chatcmpl")
-    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream))
+    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
     seqs = Sequences(1, params.n)
     if not req.stream:
         if not await collect(streams, seqs, http):
@@ -218,7 +226,7 @@ async def completions(ing: Ingress, req: CompletionRequest, http: Request) -> Re
         completion_sampling_params(req, len(ids), card.vocab_size, card.context_length) for ids in ids_list
     ]
     rid = req.rid or new_id("cmpl")
-    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream))
+    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream, identity_of(http)))
     seqs = Sequences(len(ids_list), req.n)
     want_logprobs = req.logprobs is not None
     if not req.stream:
@@ -278,7 +286,7 @@ async def generate(ing: Ingress, req: GenerateHTTPRequest, http: Request) -> Res
         raise errors.bad_request("the prompt must not be empty", "text")
     params = native_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
     rid = req.rid or new_id("gen")
-    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream))
+    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
     seqs = Sequences(1, params.n)
     tok = ing.tokenizer if req.return_logprob else None
     if not req.stream:
