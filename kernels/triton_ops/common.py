@@ -13,14 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 # Smallest M, N and K that `tl.dot` accepts when compiled for a GPU.
 MIN_DOT = 16
 
 
 def interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
+    """Whether triton.language was imported for the interpreter (TRITON_INTERPRET=1 back then)."""
+    return isinstance(tl.max, InterpretedFunction)
 
 
 def next_pow2(n: int) -> int:
