@@ -80,7 +80,9 @@ def _flash(q, keys, values, seq_lens: list[int], extend_lens: list[int]) -> torc
             cu.append(cu[-1] + n)
         return torch.tensor(cu, dtype=torch.int32, device=q.device)
 
-    return _flash_attn()(
+    flash_attn_varlen_func = _flash_attn()
+    assert flash_attn_varlen_func is not None  # checked by the caller
+    return flash_attn_varlen_func(
         q,
         keys,
         values,
