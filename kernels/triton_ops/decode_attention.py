@@ -62,7 +62,9 @@ def _split_kernel(
     split = tl.program_id(2)
     dims = tl.arange(0, HEAD_DIM)
 
-    q = tl.load(Q + batch * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None])
+    q = tl.load(
+        Q + batch * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0
+    )
     q = q.to(tl.float32)
     if not DOT_F32:
         q = q.to(K.dtype.element_ty)
@@ -79,10 +81,14 @@ def _split_kernel(
         col_ok = cols < end
         slots = tl.load(KV_INDICES + batch * stride_ib + cols, mask=col_ok, other=0).to(tl.int64)
         k = tl.load(
-            K + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :], mask=col_ok[:, None]
+            K + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
+            mask=col_ok[:, None],
+            other=0.0,
         )
         v = tl.load(
-            V + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :], mask=col_ok[:, None]
+            V + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
+            mask=col_ok[:, None],
+            other=0.0,
         )
         if DOT_F32:
             k = k.to(tl.float32)

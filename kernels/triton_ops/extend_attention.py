@@ -60,7 +60,7 @@ def _extend_kernel(
     dims = tl.arange(0, HEAD_DIM)
 
     q_ptrs = Q + (first_row + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None]).to(tl.float32)
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     if not DOT_F32:
         q = q.to(K.dtype.element_ty)
     # Blocks past this sequence's new tokens (the grid covers the longest one) read nothing.
@@ -74,10 +74,14 @@ def _extend_kernel(
         col_ok = cols < key_end
         slots = tl.load(KV_INDICES + seq * stride_ib + cols, mask=col_ok, other=0).to(tl.int64)
         k = tl.load(
-            K + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :], mask=col_ok[:, None]
+            K + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
+            mask=col_ok[:, None],
+            other=0.0,
         )
         v = tl.load(
-            V + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :], mask=col_ok[:, None]
+            V + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
+            mask=col_ok[:, None],
+            other=0.0,
         )
         if DOT_F32:
             k = k.to(tl.float32)
