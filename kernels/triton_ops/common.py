@@ -58,6 +58,10 @@ def check_pool(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_ind
     devices = {t.device for t in (q, k_buf, v_buf, kv_indices)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
+
+
+def check_runnable(q: torch.Tensor) -> None:
+    """Raises RuntimeError where the kernels cannot run on q's device in this process."""
     if q.device.type == "cpu" and not interpreting():
         raise RuntimeError(
             "Triton kernels on CPU tensors run only in Triton's interpreter: set TRITON_INTERPRET=1 "

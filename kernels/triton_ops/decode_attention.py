@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import MIN_DOT, check_pool, dot_flags, next_pow2
+from .common import MIN_DOT, check_pool, check_runnable, dot_flags, next_pow2
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64  # fewer keys per split than this costs more in the merge than it saves
@@ -177,6 +177,7 @@ def decode_attention(
     check_pool(q, k_buf, v_buf, kv_indices)
     if seq_lens.shape != (q.shape[0],) or kv_indices.shape[0] != q.shape[0]:
         raise ValueError(f"batch of {q.shape[0]} queries needs seq_lens [B] and kv_indices [B, L]")
+    check_runnable(q)
     batch, heads, head_dim = q.shape
     kv_heads = k_buf.shape[1]
     group = heads // kv_heads

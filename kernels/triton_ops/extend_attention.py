@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_pool, dot_flags, interpreting
+from .common import check_pool, check_runnable, dot_flags, interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -138,6 +138,7 @@ def extend_attention(
     batch = kv_indices.shape[0]
     if seq_lens.shape != (batch,) or cu_extend.shape != (batch + 1,):
         raise ValueError(f"{batch} sequences need seq_lens [B] and cu_extend [B + 1]")
+    check_runnable(q)
     heads, head_dim = q.shape[1], q.shape[2]
     out = torch.empty_like(q)
     if batch == 0 or max_extend_len <= 0 or q.shape[0] == 0:
