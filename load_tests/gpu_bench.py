@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -202,7 +201,6 @@ def report(figures: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels first import triton
         device, shape, dtype = torch.device("cpu"), TINY, torch.float32
     elif not torch.cuda.is_available():
         print(

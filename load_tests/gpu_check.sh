@@ -70,7 +70,7 @@ say "python: $PY ($("$PY" -c 'import torch, triton; print("torch", torch.__versi
 mkdir -p build/lint/radixserve
 for d in cluster router workers kernels; do ln -sfn "../../../$d" "build/lint/radixserve/$d"; done
 export PYTHONPATH="$ROOT/build/lint:$ROOT"
-unset TRITON_INTERPRET  # the test module and the bench choose it themselves
+unset TRITON_INTERPRET  # inherited, it would make triton interpret the GPU runs too
 
 say "tests: tests/test_triton_attention.py"
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \

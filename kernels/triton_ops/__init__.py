@@ -1,5 +1,5 @@
-"""Triton attention over the paged KV pool: compiled on a GPU, run by Triton's interpreter for CPU
-tensors (TRITON_INTERPRET=1 before triton is first imported)."""
+"""Triton attention over the paged KV pool: compiled for GPU tensors, run by Triton's interpreter
+for CPU tensors (tests), in any process (common.py says how)."""
 
 from .decode_attention import decode_attention
 from .extend_attention import extend_attention

@@ -1,11 +1,17 @@
-"""What the Triton attention kernels share: the pool layout they accept and how their dots run.
+"""What the Triton attention kernels share: how a kernel runs on each device, the pool layout they
+accept, and how their dots run.
 
-Without a GPU the kernels run in Triton's interpreter, which must be chosen before triton is first
-imported (TRITON_INTERPRET=1): triton.language's own helpers (tl.max, tl.sum, ...) are compiled or
-interpreted once, at that import. The interpreter does no arithmetic on bfloat16 (numpy has
-none), so the kernels convert every load to float32 before use and, interpreted, keep their
-`tl.dot` operands float32 (`DOT_F32`); float32 dots ask for "ieee" precision so that neither a
-GPU nor the interpreter rounds them to tf32.
+A kernel body runs compiled for GPU tensors and in Triton's interpreter for CPU tensors, in the
+same process and whatever imported triton first (TRITON_INTERPRET is read once, when
+triton.language is imported, which a test cannot control). That holds because the bodies call
+only triton.language builtins, which the interpreter patches for the length of one launch and
+then restores: no jit-decorated helpers (an interpreted body cannot call a compiled one), so
+row maxima and sums are `tl.reduce` with the standard combine functions (`MAX`, `SUM`), which is
+what `tl.max` / `tl.sum` expand to and what the interpreter recognises and runs in numpy.
+
+The interpreter does no arithmetic on bfloat16 (numpy has none): the bodies convert every load to
+float32 before use and, interpreted, keep their `tl.dot` operands float32 (`DOT_F32`); float32
+dots ask for "ieee" precision so that neither a GPU nor the interpreter rounds them to tf32.
 """
 
 from __future__ import annotations
@@ -13,25 +19,36 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+MAX = tl.standard._elementwise_max
+SUM = tl.standard._sum_combine
 # Smallest M, N and K that `tl.dot` accepts when compiled for a GPU.
 MIN_DOT = 16
 
 
-def interpreting() -> bool:
-    """Whether triton.language was imported for the interpreter (TRITON_INTERPRET=1 back then)."""
-    return isinstance(tl.max, InterpretedFunction)
+class DualKernel:
+    """`kernel.on(tensor)[grid](...)`: compiled (triton.jit) for GPU tensors, interpreted for CPU
+    tensors (slow: for tests and debugging)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._compiled = triton.jit(fn)
+        self._interpreted = InterpretedFunction(fn)
+
+    def on(self, tensor: torch.Tensor) -> Any:
+        return self._interpreted if tensor.device.type == "cpu" else self._compiled
 
 
 def next_pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
 
-def dot_flags(dtype: torch.dtype) -> dict[str, Any]:
+def dot_flags(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     """Constexprs telling a kernel in which dtype and precision to run its `tl.dot`s."""
-    dot_f32 = interpreting() or dtype == torch.float32
+    dot_f32 = device.type == "cpu" or dtype == torch.float32
     return {"DOT_F32": dot_f32, "PRECISION": "ieee" if dot_f32 else "tf32"}
 
 
@@ -58,12 +75,3 @@ def check_pool(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_ind
     devices = {t.device for t in (q, k_buf, v_buf, kv_indices)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
-
-
-def check_runnable(q: torch.Tensor) -> None:
-    """Raises RuntimeError where the kernels cannot run on q's device in this process."""
-    if q.device.type == "cpu" and not interpreting():
-        raise RuntimeError(
-            "Triton kernels on CPU tensors run only in Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before triton is first imported"
-        )

@@ -13,17 +13,15 @@ import functools
 import math
 
 import torch
-import triton
 import triton.language as tl
 
-from .common import MIN_DOT, check_pool, check_runnable, dot_flags, next_pow2
+from .common import MAX, MIN_DOT, SUM, DualKernel, check_pool, dot_flags, next_pow2
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64  # fewer keys per split than this costs more in the merge than it saves
 MAX_SPLITS = 16
 
 
-@triton.jit
 def _split_kernel(
     Q,
     K,
@@ -69,13 +67,13 @@ def _split_kernel(
     if not DOT_F32:
         q = q.to(K.dtype.element_ty)
     seq_len = tl.load(SEQ_LENS + batch).to(tl.int32)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    split_len = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, HEAD_DIM], 0.0, tl.float32)
     for n in range(start, end, BLOCK_N):
         cols = n + tl.arange(0, BLOCK_N)
         col_ok = cols < end
@@ -95,10 +93,10 @@ def _split_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, SUM)
         if not DOT_F32:
             p = p.to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
@@ -113,7 +111,6 @@ def _split_kernel(
     tl.store(MID_LSE + batch * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
 
 
-@triton.jit
 def _merge_kernel(
     MID_O,
     MID_LSE,
@@ -135,13 +132,17 @@ def _merge_kernel(
     split_ok = splits < NUM_SPLITS
     dims = tl.arange(0, HEAD_DIM)
     lse = tl.load(MID_LSE + batch * stride_lb + head * stride_lh + splits, mask=split_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
+    top = tl.reduce(lse, 0, MAX)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     o_ptrs = MID_O + batch * stride_mb + head * stride_mh + splits[:, None] * stride_ms + dims[None, :]
     parts = tl.load(o_ptrs, mask=split_ok[:, None], other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    total = tl.reduce(weight, 0, SUM)
+    out = tl.reduce(weight[:, None] * parts, 0, SUM) / tl.where(total > 0, total, 1.0)
     tl.store(OUT + batch * stride_ob + head * stride_oh + dims, out.to(OUT.dtype.element_ty))
+
+
+_SPLIT = DualKernel(_split_kernel)
+_MERGE = DualKernel(_merge_kernel)
 
 
 @functools.cache
@@ -177,7 +178,6 @@ def decode_attention(
     check_pool(q, k_buf, v_buf, kv_indices)
     if seq_lens.shape != (q.shape[0],) or kv_indices.shape[0] != q.shape[0]:
         raise ValueError(f"batch of {q.shape[0]} queries needs seq_lens [B] and kv_indices [B, L]")
-    check_runnable(q)
     batch, heads, head_dim = q.shape
     kv_heads = k_buf.shape[1]
     group = heads // kv_heads
@@ -192,17 +192,17 @@ def decode_attention(
         block_n = 64 if q.is_cuda and head_dim <= 64 else 32
     mid_o = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
-    _split_kernel[(batch, kv_heads * head_chunks, num_splits)](
+    _SPLIT.on(q)[(batch, kv_heads * head_chunks, num_splits)](
         q, k_buf, v_buf, kv_indices, seq_lens, mid_o, mid_lse,
         LOG2E / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         kv_indices.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_CHUNKS=head_chunks, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, **dot_flags(k_buf.dtype),
+        NUM_SPLITS=num_splits, **dot_flags(k_buf.dtype, q.device),
         num_warps=4, num_stages=2,
     )  # fmt: skip
-    _merge_kernel[(batch, heads)](
+    _MERGE.on(q)[(batch, heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),

@@ -15,12 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_pool, check_runnable, dot_flags, interpreting
+from .common import MAX, SUM, DualKernel, check_pool, dot_flags
 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
 def _extend_kernel(
     Q,
     K,
@@ -67,8 +66,8 @@ def _extend_kernel(
     key_end = tl.where(block_start < extend_len, tl.minimum(prefix_len + block_start + BLOCK_M, seq_len), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
     for n in range(0, key_end, BLOCK_N):
         cols = n + tl.arange(0, BLOCK_N)
         col_ok = cols < key_end
@@ -90,10 +89,10 @@ def _extend_kernel(
         # Key 0 is visible to every row, so each row's running max is finite from the first block.
         visible = col_ok[None, :] & (cols[None, :] <= query_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, SUM)
         if not DOT_F32:
             p = p.to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
@@ -102,6 +101,9 @@ def _extend_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = OUT + (first_row + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+_EXTEND = DualKernel(_extend_kernel)
 
 
 def _block_sizes(head_dim: int, on_gpu: bool) -> tuple[int, int, int]:
@@ -138,20 +140,19 @@ def extend_attention(
     batch = kv_indices.shape[0]
     if seq_lens.shape != (batch,) or cu_extend.shape != (batch + 1,):
         raise ValueError(f"{batch} sequences need seq_lens [B] and cu_extend [B + 1]")
-    check_runnable(q)
     heads, head_dim = q.shape[1], q.shape[2]
     out = torch.empty_like(q)
     if batch == 0 or max_extend_len <= 0 or q.shape[0] == 0:
         return out
-    default_m, default_n, num_warps = _block_sizes(head_dim, not interpreting())
+    default_m, default_n, num_warps = _block_sizes(head_dim, q.device.type != "cpu")
     block_m, block_n = block_m or default_m, block_n or default_n
     grid = (batch, heads, triton.cdiv(max_extend_len, block_m))
-    _extend_kernel[grid](
+    _EXTEND.on(q)[grid](
         q, k_buf, v_buf, out, kv_indices, seq_lens, cu_extend,
         LOG2E / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), kv_indices.stride(0),
         GROUP=heads // k_buf.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        **dot_flags(k_buf.dtype), num_warps=num_warps, num_stages=2,
+        **dot_flags(k_buf.dtype, q.device), num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     return out
