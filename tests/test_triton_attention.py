@@ -163,7 +163,7 @@ def test_decode_default_splits_other_shapes(device, dtype, head_dim, heads, kv_h
 def test_splits_are_powers_of_two_bounded_by_length():
     cpu = torch.device("cpu")
     assert common.next_pow2(1) == 1 and common.next_pow2(5) == 8 and common.next_pow2(16) == 16
-    from radixserve.kernels.triton_ops.decode_attention import pick_num_splits
+    from radixserve.kernels.triton_ops.decode import pick_num_splits
 
     assert [pick_num_splits(1, 8, n, cpu) for n in (1, 63, 64, 200, 300, 10_000)] == [1, 1, 1, 2, 4, 4]
 

@@ -150,6 +150,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def decode_tiles(group: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_N): the query heads of a KV group a program serves (at least the 16 rows
+    `tl.dot` needs; larger groups take several programs) and the keys per step."""
+    return max(MIN_DOT, min(64, next_pow2(group))), 64 if head_dim <= 64 else 32
+
+
 def pick_num_splits(batch: int, head_programs: int, max_len: int, device: torch.device) -> int:
     """A power of two (bounding the number of compiled variants) that spreads the programs over the
     GPU's SMs about twice, without splits shorter than MIN_SPLIT_TOKENS. Shapes only, no sync."""
@@ -184,12 +190,11 @@ def decode_attention(
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    block_h = max(MIN_DOT, min(64, next_pow2(group)))
+    block_h, default_n = decode_tiles(group, head_dim)
+    block_n = block_n or default_n
     head_chunks = -(-group // block_h)
     if num_splits is None:
         num_splits = pick_num_splits(batch, kv_heads * head_chunks, kv_indices.shape[1], q.device)
-    if block_n is None:
-        block_n = 64 if q.is_cuda and head_dim <= 64 else 32
     mid_o = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
     _SPLIT.on(q)[(batch, kv_heads * head_chunks, num_splits)](

@@ -106,7 +106,7 @@ def _extend_kernel(
 _EXTEND = DualKernel(_extend_kernel)
 
 
-def _block_sizes(head_dim: int, on_gpu: bool) -> tuple[int, int, int]:
+def extend_tiles(head_dim: int, on_gpu: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): large tiles for the GPU's tensor cores; the interpreter pays
     per operation, not per element, so its tiles are large too but smaller than a GPU's."""
     if not on_gpu:
@@ -144,7 +144,7 @@ def extend_attention(
     out = torch.empty_like(q)
     if batch == 0 or max_extend_len <= 0 or q.shape[0] == 0:
         return out
-    default_m, default_n, num_warps = _block_sizes(head_dim, q.device.type != "cpu")
+    default_m, default_n, num_warps = extend_tiles(head_dim, q.device.type != "cpu")
     block_m, block_n = block_m or default_m, block_n or default_n
     grid = (batch, heads, triton.cdiv(max_extend_len, block_m))
     _EXTEND.on(q)[grid](
