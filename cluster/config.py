@@ -46,14 +46,19 @@ class DeploymentConfig:
             raise ValueError("num_cpus must be >= 0")
 
 
+_POLICY = PolicyConfig()  # the policy knobs' defaults live there
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """How the ingress chooses an engine replica (router/routing/policy.py, router/routing/request_router.py)."""
 
     router_policy: str | None = None  # None: cache_aware with dp > 1, else round_robin
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
+    cache_threshold: float = _POLICY.cache_threshold
+    min_match_tokens: int = _POLICY.min_match_tokens
+    load_cost_tokens: int = _POLICY.load_cost_tokens
+    balance_abs_threshold: int = _POLICY.balance_abs_threshold
+    balance_rel_threshold: float = _POLICY.balance_rel_threshold
     router_sync_interval_s: float = 5.0  # how often replicas' caches and loads correct the policy
 
     def __post_init__(self) -> None:
@@ -66,6 +71,8 @@ class RouterConfig:
         return {
             "policy": self.router_policy or default_policy,
             "cache_threshold": self.cache_threshold,
+            "min_match_tokens": self.min_match_tokens,
+            "load_cost_tokens": self.load_cost_tokens,
             "balance_abs_threshold": self.balance_abs_threshold,
             "balance_rel_threshold": self.balance_rel_threshold,
         }
@@ -149,7 +156,12 @@ HELP = {
     "disable_radix_cache": "turn prefix caching off",
     "radix_eviction_policy": "lru (least recently used leaf first) | lfu (least used, then least "
     "recently used: one-off suffixes go before shared prefixes)",
-    "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health",
+    "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health and /ready "
+    "(one shared tenant; its key opens the admin routes unless --admin-api-key is set)",
+    "api_keys_file": "YAML/JSON mapping of tenant name to key or list of keys ('acme: sk-1' lines); "
+    "each tenant gets its own prefix cache, routing and request ids (not with --api-key)",
+    "admin_api_key": "the key of the admin routes (/flush_cache), and of aborting any request "
+    "('<tenant>/<rid>')",
     "max_request_bytes": "largest request body; beyond it 413",
     "max_header_bytes": "largest request line + headers; beyond it 431",
     "header_timeout_s": "a connection that has not sent a request's full headers in this time is closed",
@@ -165,6 +177,10 @@ HELP = {
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
     "router_policy": f"replica choice: {' | '.join(POLICY_NAMES)} (default: cache_aware if dp > 1)",
     "cache_threshold": "cache_aware: prefix match rate above which the matching replica wins",
+    "min_match_tokens": "cache_aware: ... and prefix match length (tokens) below which a match "
+    "never counts (a chat template's shared header is no reason to queue behind others)",
+    "load_cost_tokens": "cache_aware: matched tokens that pay for each request the matching "
+    "replica carries beyond the least loaded one (0: load never outweighs a match)",
     "balance_abs_threshold": "cache_aware: imbalanced if max load - min load exceeds this ...",
     "balance_rel_threshold": "... and max load exceeds min load times this",
     "router_sync_interval_s": "seconds between replica cache/load reports to the router",

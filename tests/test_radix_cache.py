@@ -497,3 +497,17 @@ def test_lfu_evicts_one_off_suffixes_before_a_shared_prefix_used_longer_ago():
     assert orders["lfu"] == [[5, 6, 7], [8, 9, 10], [3], [1, 2]]
     with pytest.raises(ValueError, match="eviction_policy"):
         RadixCache(pool, eviction_policy="fifo")
+
+
+def test_cached_paths_name_each_path_s_namespace():
+    pool = KVPool(1, 1, 1, 64)
+    cache = RadixCache(pool)
+    for key, namespace in (([1, 2, 3], None), ([1, 2, 3], "acme"), ([1, 2, 7], "acme")):
+        m = cache.match_prefix(key, namespace)
+        slots = m.slots + pool.alloc(len(key) - len(m.slots))
+        cache.lock(m.node)
+        cache.cache_finished(key, slots, m.node, namespace)
+    assert cache.cached_paths(100) == [("acme", [1, 2, 7]), ("acme", [1, 2, 3]), (None, [1, 2, 3])]
+    assert cache.cached_prefixes(100) == [[1, 2, 7], [1, 2, 3], [1, 2, 3]]
+    assert NullCache(pool).cached_paths(10) == []
+    cache.check_integrity()

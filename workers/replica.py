@@ -108,11 +108,12 @@ class EngineReplica:
     async def cache_summary(self, max_tokens: int) -> dict[str, Any]:
         """What the router's correction needs, read together: this replica's `ReplicaStats`
         and its cached prefixes (token paths, most recently used first, up to `max_tokens`
-        tokens in all; shared prefixes count once per path)."""
-        prefixes = await asyncio.to_thread(self.engine.cache_summary, int(max_tokens))
+        tokens in all; shared prefixes count once per path), with `namespaces[i]` the cache
+        namespace (tenant) of `prefixes[i]`."""
+        paths = await asyncio.to_thread(self.engine.cache_summary, int(max_tokens))
         s = self.engine.replica_stats()
         s.replica_id = self.replica_id
-        return {"stats": s.to_dict(), "prefixes": prefixes}
+        return {"stats": s.to_dict(), "prefixes": [p for _, p in paths], "namespaces": [n for n, _ in paths]}
 
     async def engine_stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.engine.stats()}

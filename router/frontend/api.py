@@ -1,5 +1,12 @@
 """The FastAPI app: OpenAI routes, SGLang's native routes, and the guards in front of them.
 
+Who may call what (router/frontend/tenants.py holds the keys): /health and /ready need no key; the admin
+routes (ADMIN_ROUTES: /flush_cache) need the admin key, or the single `api_key` when no admin key
+is set; every other route takes any valid key. /metrics and /get_server_info stay open to every
+tenant: they report totals over all tenants (counters, sizes, loads), never a prompt, a request
+id or a per-tenant figure, and key settings show masked. /abort_request aborts only the caller's
+own requests (another tenant's id gets the answer an unknown id gets).
+
 Bodies are parsed by hand (`model_validate_json`) rather than by FastAPI's parameter binding, so
 every malformed or invalid body is a 400 in OpenAI's shape; FastAPI's 422 handler is replaced too,
 for anything that still reaches it. Whatever a route raises is mapped by `errors.from_exception`
@@ -14,7 +21,6 @@ engine does so within their timeout.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.metadata
 import time
 from collections.abc import Awaitable, Callable
@@ -38,6 +44,7 @@ from radixserve.router.frontend.schemas import (
     GenerateHTTPRequest,
     TokenizeRequest,
 )
+from radixserve.router.frontend.tenants import ADMIN_ROUTES, IDENTITY, ApiKeys, identity_of
 from radixserve.workers.protocol import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -50,22 +57,26 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0  # a one-token generation behind a busy queue m
 
 
 class Guard:
-    """ASGI middleware: API key (constant-time compare) and body size, before any parsing."""
+    """ASGI middleware, before any parsing: the caller's identity from its API key (401 for a
+    wrong one, 403 on an admin route without admin rights), put in the scope's state for the
+    handlers (`identity_of`); then the body size."""
 
-    def __init__(self, app: Any, api_key: str | None, max_bytes: int):
+    def __init__(self, app: Any, keys: ApiKeys, max_bytes: int):
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.keys = keys
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.key is not None and scope["path"] not in AUTH_EXEMPT:
-            auth = headers.get("authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
+        if scope["path"] not in AUTH_EXEMPT:
+            identity = self.keys.identify(headers.get("authorization", b""))
+            if identity is None:
                 return await errors.unauthorized().response()(scope, receive, send)
+            if scope["path"] in ADMIN_ROUTES and not identity.admin:
+                return await errors.forbidden().response()(scope, receive, send)
+            scope.setdefault("state", {})[IDENTITY] = identity
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await errors.too_large(self.max_bytes).response()(scope, receive, send)
@@ -138,7 +149,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 def build_api(ing: Ingress) -> FastAPI:
     app = FastAPI(title="RadixServe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Guard, api_key=ing.http.api_key, max_bytes=ing.http.max_request_bytes)
+    app.add_middleware(Guard, keys=ing.http.api_keys(), max_bytes=ing.http.max_request_bytes)
     app.add_middleware(ContainErrors)  # outermost: it also sees what the Guard raises
     add_error_handlers(app)
     started = int(time.time())
@@ -280,4 +291,5 @@ async def detokenize(ing: Ingress, req: DetokenizeRequest, http: Request) -> Res
 
 
 async def abort_request(ing: Ingress, req: AbortRequest, http: Request) -> Response:
-    return JSONResponse({"rid": req.rid, "aborted": await ing.abort(req.rid)})
+    aborted = await ing.abort(identity_of(http).engine_rid(req.rid))
+    return JSONResponse({"rid": req.rid, "aborted": aborted})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.router.frontend.tenants import SECRET_SETTINGS, ApiKeys
 from radixserve.router.routing.policy import PolicyConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -20,7 +21,9 @@ class HTTPConfig:
 
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # one shared tenant
+    api_keys_file: str | None = None  # tenants and their keys (router/frontend/tenants.py)
+    admin_api_key: str | None = None  # the key of the admin routes
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
     max_header_bytes: int = 64 * 1024  # request line + headers; more gets 431
     header_timeout_s: float = 30.0  # a request's headers must arrive within this
@@ -32,6 +35,9 @@ class HTTPConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        # A bad keys file is a start-up error here, before Ray starts; the ingress reads the file
+        # again, at the same path on its own node (as engine replicas read model_path).
+        self.api_keys()
         for name in ("max_request_bytes", "max_header_bytes", "keep_alive_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -42,6 +48,9 @@ class HTTPConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+
+    def api_keys(self) -> ApiKeys:
+        return ApiKeys.from_settings(self.api_key, self.api_keys_file, self.admin_api_key)
 
     def serve_http_options(self) -> dict[str, Any]:
         """Ray Serve's `http_options` for `serve.start`: what its proxy takes as configuration.
@@ -60,5 +69,5 @@ class IngressConfig:
     server_args: tuple[tuple[str, Any], ...]
 
     def server_info(self) -> dict[str, Any]:
-        """The flat server arguments with the API key masked."""
-        return {k: ("***" if k == "api_key" and v else v) for k, v in self.server_args}
+        """The flat server arguments with the key settings masked."""
+        return {k: ("***" if k in SECRET_SETTINGS and v else v) for k, v in self.server_args}

@@ -73,6 +73,10 @@ def unauthorized() -> APIError:
     )
 
 
+def forbidden() -> APIError:
+    return APIError(403, "This endpoint needs the admin API key.", code="admin_key_required")
+
+
 def too_large(limit: int) -> APIError:
     return APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
 

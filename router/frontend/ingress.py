@@ -111,7 +111,7 @@ class Ingress:
         applied = 0
         for r in await self._broadcast("cache_summary", budget):
             # The engine lists most recent first; the tree wants least recent first.
-            prefixes = r["prefixes"][::-1] if budget else None
+            prefixes = list(zip(r["namespaces"], r["prefixes"]))[::-1] if budget else None
             applied += self.routing.apply_report(ReplicaStats.from_dict(r["stats"]), prefixes, point)
         return applied
 

@@ -42,6 +42,7 @@ from radixserve.router.frontend.schemas import (
     completion_sampling_params,
     native_sampling_params,
 )
+from radixserve.router.frontend.tenants import Identity, identity_of
 from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams
 
 if TYPE_CHECKING:
@@ -159,11 +160,18 @@ async def encode_chat(ing: Ingress, messages: list[dict[str, Any]]) -> list[int]
 
 
 def _requests(
-    ids_list: list[list[int]], params: list[SamplingParams], rid: str, stream: bool
+    ids_list: list[list[int]], params: list[SamplingParams], rid: str, stream: bool, who: Identity
 ) -> list[GenerateRequest]:
+    """One request per prompt, in the caller's cache namespace and request-id space."""
     many = len(ids_list) > 1
     return [
-        GenerateRequest(input_ids=ids, sampling_params=p, rid=f"{rid}-{k}" if many else rid, stream=stream)
+        GenerateRequest(
+            input_ids=ids,
+            sampling_params=p,
+            rid=who.engine_rid(f"{rid}-{k}" if many else rid),
+            namespace=who.namespace,
+            stream=stream,
+        )
         for k, (ids, p) in enumerate(zip(ids_list, params))
     ]
 
@@ -177,7 +185,7 @@ async def chat(ing: Ingress, req: ChatCompletionRequest, http: Request) -> Respo
     ids = await encode_chat(ing, messages)
     params = chat_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
     rid = req.rid or new_id("chatcmpl")
-    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream))
+    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
     seqs = Sequences(1, params.n)
     if not req.stream:
         if not await collect(streams, seqs, http):
@@ -244,7 +252,7 @@ async def completions(ing: Ingress, req: CompletionRequest, http: Request) -> Re
         completion_sampling_params(req, len(ids), card.vocab_size, card.context_length) for ids in ids_list
     ]
     rid = req.rid or new_id("cmpl")
-    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream))
+    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream, identity_of(http)))
     seqs = Sequences(len(ids_list), req.n)
     want_logprobs = req.logprobs is not None
     if not req.stream:
@@ -305,7 +313,7 @@ async def generate(ing: Ingress, req: GenerateHTTPRequest, http: Request) -> Res
         raise errors.bad_request("the prompt must not be empty", "text")
     params = native_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
     rid = req.rid or new_id("gen")
-    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream))
+    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
     # Logprob triples carry the token's text whenever logprobs are returned (SGLang's
     # return_text_in_logprobs is accepted; the offline Engine fills the text too).
     seqs = Sequences(1, params.n, native_rid=rid, token_text=ing.tokenizer.token_text)

@@ -118,8 +118,9 @@ class Engine:
         self._inbox.put(("flush", fut))
         return fut.result(timeout=60)
 
-    def cache_summary(self, max_tokens: int = 1 << 20) -> list[list[int]]:
-        """The cached prefixes (token lists, most recently used first) for the router's tree."""
+    def cache_summary(self, max_tokens: int = 1 << 20) -> list[tuple[str | None, list[int]]]:
+        """The cached prefixes as (namespace, token list) pairs, most recently used first, for
+        the router's tree."""
         fut: Future = Future()
         self._inbox.put(("summary", (fut, max_tokens)))
         return fut.result(timeout=60)
@@ -235,7 +236,7 @@ class Engine:
             elif cmd == "flush":
                 arg.set_result(self.core.flush_cache())
             elif cmd == "summary":
-                arg[0].set_result(self.core.cache.cached_prefixes(arg[1]))
+                arg[0].set_result(self.core.cache.cached_paths(arg[1]))
 
     def _deliver(self, items: list) -> None:
         """items: (rid, OutputChunk | Exception). Groups per event loop, one wake-up each."""

@@ -96,6 +96,9 @@ class NullCache(PrefixCache):
     def cached_prefixes(self, max_tokens: int) -> list[list[int]]:
         return []
 
+    def cached_paths(self, max_tokens: int) -> list[tuple[Hashable | None, list[int]]]:
+        return []
+
     def reset(self) -> bool:
         return True
 

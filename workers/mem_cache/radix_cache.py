@@ -297,6 +297,10 @@ class RadixCache(PrefixCache):
     def cached_prefixes(self, max_tokens: int) -> list[list[int]]:
         """Token paths (root to leaf) of the cached leaves, most recently used first, until their
         lengths add up to max_tokens: what a router needs to correct its view of this cache."""
+        return [path for _, path in self.cached_paths(max_tokens)]
+
+    def cached_paths(self, max_tokens: int) -> list[tuple[Hashable | None, list[int]]]:
+        """`cached_prefixes` with each path's namespace: (namespace, path) pairs."""
         leaves = sorted((n for n in self._nodes() if not n.children), key=lambda n: -n.stamp)
         out, total = [], 0
         for leaf in leaves:
@@ -307,7 +311,7 @@ class RadixCache(PrefixCache):
             path = [t for part in reversed(parts) for t in part]
             if total + len(path) > max_tokens:
                 break
-            out.append(path)
+            out.append((node.namespace, path))
             total += len(path)
         return out
 
