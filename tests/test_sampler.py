@@ -1,8 +1,6 @@
-"""Sampler: exact logits processing, filters that never leak, reproducible seeded draws, masks."""
+"""Sampler: exact logits processing, filters that never leak, reproducible seeded draws."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -209,46 +207,6 @@ def test_logprobs_come_from_the_raw_distribution_best_first():
     assert [v for _, v in top] == pytest.approx(ref[0, expected_ids].tolist(), abs=1e-6)
     assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
     assert out.logprobs[2].top == []
-
-
-def pack_xgrammar(allowed: torch.Tensor) -> torch.Tensor:
-    """bool [B, N] -> int32 [B, ceil(N/32)], bit j of word i = token 32*i + j."""
-    B, N = allowed.shape
-    words = math.ceil(N / 32)
-    bits = torch.zeros(B, words * 32, dtype=torch.int64)
-    bits[:, :N] = allowed.long()
-    packed = (bits.view(B, words, 32) << torch.arange(32)).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_vocab_mask_restricts_choices(packed):
-    s = make_sampler()
-    allowed_ids = [3, 17, 31, 32, 63, 69]
-    allowed = torch.zeros(2, PADDED, dtype=torch.bool)
-    allowed[0, allowed_ids] = True
-    allowed[1, :] = True  # a row without a grammar
-    mask = pack_xgrammar(allowed) if packed else allowed
-    raw = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
-    greedy = s.prepare([row(temperature=0.0), row(temperature=0.0)])
-    best = max(allowed_ids, key=lambda t: raw[0, t].item())
-    assert s.sample(padded(raw), greedy, mask).token_ids == [best, raw[1].argmax().item()]
-    n = 400  # the grammar row repeated: one batch of independent draws
-    sampled = s.prepare([row(temperature=2.0) for _ in range(n)])
-    tokens = s.sample(padded(raw)[:1].expand(n, -1), sampled, mask[:1].expand(n, -1)).token_ids
-    assert set(tokens) == set(allowed_ids)
-
-
-def test_packed_mask_layout_matches_xgrammar():
-    xgr = pytest.importorskip("xgrammar")
-    s = make_sampler()
-    bitmask = xgr.allocate_token_bitmask(1, V)
-    bitmask[0] = torch.tensor([(1 << 3) | -(1 << 31), 1 << 8, 1 << 5], dtype=torch.int32)
-    ours = s.process_logits(torch.zeros(1, PADDED), s.prepare([row()]), bitmask)
-    theirs = torch.zeros(1, PADDED)
-    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=V)
-    assert torch.equal(ours, theirs[:, :V])
-    assert (ours[0] == 0).nonzero().flatten().tolist() == [3, 31, 40, 69]
 
 
 @pytest.mark.parametrize("candidates", [8, 64])

@@ -128,7 +128,7 @@ class OutputProcessor:
                 return True
         return False
 
-    def take_chunk(self, req: Req, force: bool = False) -> OutputChunk | None:
+    def take_chunk(self, req: Req) -> OutputChunk | None:
         """The chunk to send now, if any: streaming sends every `stream_interval` tokens, the final
         chunk always goes, and a non-streaming request gets one chunk at the end. Detokenizes what
         is still undecoded first."""
@@ -138,7 +138,7 @@ class OutputProcessor:
         if final:
             out = self.pending.pop(req.key, None) or PendingOutput()
             out.text += req.detokenizer.flush() if req.detokenizer is not None else ""
-        elif out is None or not force and len(out.token_ids) < self.stream_interval:
+        elif out is None or len(out.token_ids) < self.stream_interval:
             return None
         else:
             del self.pending[req.key]
@@ -157,6 +157,3 @@ class OutputProcessor:
             chunk.cached_tokens = req.cached_tokens or 0
             chunk.e2e_latency = time.monotonic() - req.arrival
         return chunk
-
-    def drop(self, req: Req) -> None:
-        self.pending.pop(req.key, None)

@@ -51,7 +51,6 @@ class Req:
         self.cached_tokens: int | None = None  # prompt tokens reused at first admission
         self.num_retractions = 0
         self.arrival = arrival if arrival is not None else time.monotonic()
-        self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         # Per-sequence helpers attached by the engine (generator, detokenizer, grammar).
         self.generator: Any = None

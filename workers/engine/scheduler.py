@@ -243,10 +243,3 @@ class Scheduler:
         req.kv_slots, req.cache_len, req.last_node = [], 0, None
         req.row, req.table_len = None, 0
         req.status = ReqStatus.WAITING if keep_waiting else ReqStatus.FINISHED
-
-    def abort_waiting_all(self, message: str) -> list[Req]:
-        out = list(self.waiting)
-        self.waiting.clear()
-        for r in out:
-            r.finish("abort", message=message)
-        return out

@@ -211,15 +211,12 @@ class Sampler:
 
     # ---------------------------------------------------------------- sample (device)
 
-    def sample(
-        self, logits: torch.Tensor, batch: SamplingBatch, vocab_mask: torch.Tensor | None = None
-    ) -> SampleOutput:
-        """logits: [B, V'] with V' >= vocab_size. vocab_mask: bool [B, >=vocab_size] (True = allowed)
-        or xgrammar's packed int32 bitmask [B, ceil(V'/32)] (bit j of word i allows token 32*i+j)."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """logits: [B, V'] with V' >= vocab_size; grammar masks are already applied (apply_bitmask)."""
         raw = logits[:, : self.vocab_size]
-        if batch.plain_greedy and vocab_mask is None:
+        if batch.plain_greedy:
             return SampleOutput(raw.argmax(-1).tolist())
-        x = self.process_logits(logits, batch, vocab_mask)
+        x = self.process_logits(logits, batch)
         if batch.all_sampled:
             tokens = self._draw(x, batch)
         else:
@@ -229,13 +226,11 @@ class Sampler:
                 tokens = tokens.index_copy(0, batch.sample_rows, picked)
         return SampleOutput(tokens.tolist(), self._logprobs(raw, tokens, batch))
 
-    def process_logits(
-        self, logits: torch.Tensor, batch: SamplingBatch, vocab_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Logits after bias, penalties, min_new_tokens blocking and the grammar mask, before the
-        temperature. Never modifies `logits`; returns it (cut to the vocab) when there is nothing to do."""
+    def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Logits after bias, penalties and min_new_tokens blocking, before the temperature. Never
+        modifies `logits`; returns it (cut to the vocab) when there is nothing to do."""
         x = logits[:, : self.vocab_size]
-        if not batch.needs_processing and vocab_mask is None:
+        if not batch.needs_processing:
             return x
         x = x.to(torch.float32, copy=True)
         if batch.bias is not None:
@@ -251,19 +246,7 @@ class Sampler:
             x.index_put_((r, c), -v, accumulate=True)
         if batch.blocked is not None:
             x[batch.blocked] = _NEG_INF
-        if vocab_mask is not None:
-            x.masked_fill_(~self._allowed(vocab_mask), _NEG_INF)
         return x
-
-    def _allowed(self, vocab_mask: torch.Tensor) -> torch.Tensor:
-        V = self.vocab_size
-        if vocab_mask.dtype == torch.bool:
-            return vocab_mask[:, :V]
-        if vocab_mask.dtype != torch.int32:
-            raise TypeError(f"vocab_mask must be bool or packed int32, got {vocab_mask.dtype}")
-        shifts = torch.arange(32, dtype=torch.int32, device=vocab_mask.device)
-        bits = (vocab_mask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: bit 31 still reads right
-        return bits.reshape(vocab_mask.shape[0], -1)[:, :V].bool()
 
     def _draw(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """x: processed logits of the sampled rows -> sampled token per row (on the device)."""
