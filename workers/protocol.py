@@ -25,6 +25,22 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
+def check_context_length(
+    prompt_tokens: int, max_new_tokens: int, context_length: int, param: str = "max_tokens"
+) -> None:
+    """Refuse a request whose prompt plus completion budget exceeds the model's context length
+    (OpenAI's `context_length_exceeded`). The ingress and the engine both apply it."""
+    total = prompt_tokens + max_new_tokens
+    if total > context_length:
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {total} tokens ({prompt_tokens} in the prompt, {max_new_tokens} for the "
+            "completion). Please reduce the prompt or the completion length.",
+            param,
+            code="context_length_exceeded",
+        )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters, named as SGLang names them."""

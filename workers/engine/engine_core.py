@@ -36,7 +36,7 @@ from radixserve.workers.mem_cache.prefix_cache import NullCache
 from radixserve.workers.mem_cache.radix_cache import RadixCache
 from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.workers.models.loader import load_model
-from radixserve.workers.protocol import GenerateRequest, InvalidRequest
+from radixserve.workers.protocol import GenerateRequest, InvalidRequest, check_context_length
 from radixserve.workers.sampling.sampler import Sampler
 
 logger = logging.getLogger("radixserve.engine")
@@ -63,11 +63,7 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.model_path
         self.served_model_name = config.served_model_name or loaded.name
-        self.context_length = (
-            min(config.context_length or mc.context_length, mc.context_length)
-            if config.context_length
-            else mc.context_length
-        )
+        self.context_length = config.context_cap(mc.context_length)
         self.pool = KVPool(
             mc.num_layers,
             mc.num_kv_heads,
@@ -95,7 +91,7 @@ class EngineCore:
             config.stream_interval,
             config.enable_jump_forward,
         )
-        self.overlap = config.overlap_for(next(loaded.model.parameters()).device.type)
+        self.overlap = config.overlap
         self.worker = ForwardWorker(self.runner, self.sampler, threaded=self.overlap)
         self._prev: ForwardJob | None = None  # overlap: the step whose text is still to do
         self._grammars: GrammarBackend | None = None
@@ -144,14 +140,7 @@ class EngineCore:
             raise InvalidRequest("the prompt is empty", "prompt")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
             raise InvalidRequest(f"input_ids must be integers in [0, {self.vocab_size})", "input_ids")
-        if len(ids) + p.max_new_tokens > self.context_length:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.context_length} tokens. However, you "
-                f"requested {len(ids) + p.max_new_tokens} tokens ({len(ids)} in the prompt, "
-                f"{p.max_new_tokens} for the completion). Please reduce the prompt or max tokens.",
-                "max_tokens",
-                code="context_length_exceeded",
-            )
+        check_context_length(len(ids), p.max_new_tokens, self.context_length)
         if len(ids) >= self.pool.size:
             raise InvalidRequest(
                 f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.pool.size} tokens)",
