@@ -38,7 +38,7 @@ def invariant(engines):
     yield
     for e in engines:
         assert_kv_invariant(e)
-        assert not e.core.outputs.pending and not e.core.unsent and not e.core.by_rid
+        assert not e.core.outputs.pending and not e.core.inflight.unsent and not e.core.inflight.by_rid
 
 
 def generated(e):

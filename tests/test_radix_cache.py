@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from radixserve.workers.mem_cache.kv_pool import KVPool
-from radixserve.workers.mem_cache.prefix_cache import NullCache, kv_invariant_ok
+from radixserve.workers.mem_cache.prefix_cache import NullCache, PrefixCache, kv_invariant_ok
 from radixserve.workers.mem_cache.radix_cache import RadixCache, _common_len
 
 
@@ -472,6 +472,7 @@ def test_cached_prefixes_most_recent_first_within_budget():
     assert cache.cached_prefixes(100) == [[5, 6], [1, 2, 9], [1, 2, 3, 4]]
     assert cache.cached_prefixes(5) == [[5, 6], [1, 2, 9]]
     assert NullCache(pool).cached_prefixes(10) == []
+    assert "cached_prefixes" in PrefixCache.__abstractmethods__  # every prefix cache answers it
 
 
 def test_lfu_evicts_one_off_suffixes_before_a_shared_prefix_used_longer_ago():

@@ -230,3 +230,53 @@ def test_one_at_a_time_admission_follows_the_policy(policy, cache):
     expected = {**ADMISSION_ORDER, ("dfs-weight", True): "afbced"}
     assert admitted == expected[policy, cache]
     check_idle(pool, c)
+
+
+# A sequence that fits the pool alone always finishes -------------------------------------------
+@pytest.mark.parametrize("chunk", [-1, 16])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("cache", [True, False], ids=["radix", "null"])
+def test_a_sequence_filling_the_whole_pool_finishes(cache, page_size, chunk):
+    """prompt + max_new - 1 == pool size (the last token is never fed back), beside other
+    requests that must be retracted to let it finish: nothing is aborted."""
+    sched, pool, c = make(pool_tokens=64, page_size=page_size, cache=cache, chunked_prefill_size=chunk)
+    big = req("big", range(1, 41), max_new=25)  # 40 + 25 - 1 == 64
+    others = [req(f"o{i}", range(100 + 10 * i, 108 + 10 * i), max_new=20) for i in range(3)]
+    outs, _ = run(sched, [big] + others)
+    assert len(outs["big#0"]) == 25 and all(len(outs[f"o{i}#0"]) == 20 for i in range(3))
+    assert all(r.error is None and not r.aborted for r in [big] + others)
+    check_idle(pool, c)
+
+
+def test_a_sequence_that_cannot_fit_alone_fails_with_an_error(optimistic):
+    """The engine refuses such a request at submission; should one get here anyway, it ends with
+    an error for the client (Req.error), never with a silent abort."""
+    sched, pool, c = make(pool_tokens=32, cache=False, chunked_prefill_size=8)
+    r = req("x", range(1, 31), max_new=10)  # needs 39 slots of 32
+    sched.add(r)
+    while (plan := sched.schedule()) is not None:
+        fake_step(sched, plan)
+    assert len(r.output_ids) == 32 - 30 + 1  # decoded until the pool was full
+    assert r.error == "out of KV cache memory: the sequence does not fit in the KV pool even alone"
+    assert r.finish_reason is None  # the engine turns the error into an EngineError
+    assert sched.take_aborted() == [r]  # at the next step boundary
+    assert not sched.has_work() and r.status is ReqStatus.FINISHED
+    check_idle(pool, c)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["radix", "null"])
+def test_a_failed_sequence_publishes_only_its_cached_prefix(cache):
+    sched, pool, c = make(pool_tokens=128, cache=cache, chunked_prefill_size=8)
+    run(sched, [req("warm", range(1, 17), max_new=1)])  # 16 tokens, 16 cached with the radix cache
+    r = req("x", list(range(1, 17)) + list(range(50, 70)), max_new=5)
+    sched.add(r)
+    fake_step(sched, sched.schedule())  # one chunk of 8 past the cached prefix, then published
+    plan = sched.schedule()  # the next chunk: its forward "fails"
+    assert [x.key for x in plan.reqs] == ["x#0"]
+    cached_before = c.evictable_size() + c.protected_size()
+    r.error, r.aborted = "the model step failed", True
+    assert [x.key for x in sched.take_aborted()] == ["x#0"]
+    # The failed chunk's slots went back to the pool; the tree holds only what it held before.
+    assert c.evictable_size() + c.protected_size() == cached_before
+    assert cached_before == (16 + 8 if cache else 0)  # the warm prompt, then x's first chunk
+    check_idle(pool, c)

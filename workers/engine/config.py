@@ -31,7 +31,10 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool size in tokens (wins over mem_fraction_static)
     page_size: int = 1
     max_running_requests: int = 64
-    max_queued_requests: int | None = None  # None = unbounded
+    # Queued sequences (not requests: n = 8 counts 8), from submission until admitted to the
+    # running batch; beyond it submissions get QueueFull (503). None = unbounded. The name is kept
+    # for compatibility with SGLang's flag.
+    max_queued_requests: int | None = None
     max_prefill_tokens: int = 8192  # token budget of one prefill batch
     chunked_prefill_size: int = 2048  # -1 or 0 disables chunking
     schedule_policy: str = "lpm"
@@ -67,8 +70,9 @@ class EngineConfig:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError("max_total_tokens must be >= 1")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError("max_queued_requests must be >= 0")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            # Every request waits a moment before it runs: a limit of 0 would refuse them all.
+            raise ValueError("max_queued_requests must be >= 1 (unset for no limit)")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
 

@@ -44,6 +44,9 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None: ...
     @abstractmethod
     def reset(self) -> bool: ...
+    @abstractmethod
+    def cached_prefixes(self, max_tokens: int) -> list[list[int]]:
+        """Cached token paths, most recently used first, up to max_tokens tokens in all."""
 
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
