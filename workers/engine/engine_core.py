@@ -143,7 +143,9 @@ class EngineCore:
         return len(self.scheduler.running)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.grammars) or self._prev is not None
+        return (
+            self.scheduler.has_work() or bool(self.grammars) or self._prev is not None or bool(self._outbox)
+        )
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler

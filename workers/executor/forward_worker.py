@@ -10,6 +10,7 @@ placeholder row whose token nobody uses; a failing forward fails the whole batch
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,8 @@ from radixserve.workers.sampling.sampler import Sampler, SamplerRow, SamplingBat
 
 if TYPE_CHECKING:
     from radixserve.workers.engine.request import Req
+
+logger = logging.getLogger("radixserve.engine")
 
 # A test hook: called as hook(stage, req) for every sequence at each stage of a step ("prepare",
 # "forward", "sample" here; "tokens", "text" in the engine); what it raises is that stage failing
@@ -125,7 +128,7 @@ class ForwardWorker:
         try:
             return self.sampler.prepare(rows)
         except Exception:
-            pass
+            logger.warning("preparing the sampling batch failed; checking its rows one by one", exc_info=True)
         # Find the rows that fail on their own; the others are still sampled together.
         for k, (row, r) in enumerate(zip(rows, reqs)):
             if row is _PLACEHOLDER:
@@ -164,7 +167,7 @@ class ForwardWorker:
             job.tokens, job.logprobs = result.token_ids, result.logprobs
             return
         except Exception:
-            pass
+            logger.warning("sampling the batch failed; sampling its rows one by one", exc_info=True)
         # Each row alone: the rows are independent, so only the failing ones lose their token.
         tokens: list[int] = []
         logprobs: list = []
