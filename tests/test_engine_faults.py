@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -192,3 +193,43 @@ def test_grammars_are_checked_and_built_on_the_engine_thread(engine, monkeypatch
     out = engine.generate("Answer:", {"regex": "(yes|no)", "max_new_tokens": 5, "temperature": 0})
     assert out["text"] in ("yes", "no")
     assert built_on == ["radixserve-engine"]
+
+
+def test_replica_calls_that_wait_for_the_engine_leave_its_event_loop_free(engine):
+    """flush_cache and cache_summary wait for a step boundary; the replica's event loop keeps
+    serving meanwhile (here: a ticker), even while steps are slow."""
+    from radixserve.workers.replica import EngineReplica
+
+    replica = object.__new__(EngineReplica.func_or_class)
+    replica.engine, replica.replica_id, replica.engine_kwargs = engine, "test", {}
+    engine.core.worker.fault_hook = lambda stage, req: time.sleep(0.3) if stage == "forward" else None
+
+    async def run():
+        busy = asyncio.ensure_future(engine.async_generate(PROMPTS[0], dict(GREEDY, max_new_tokens=3)))
+        while not engine.core.scheduler.running:
+            await asyncio.sleep(0.005)
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        task = asyncio.ensure_future(ticker())
+        flushed = await replica.flush_cache()
+        during_flush = ticks
+        summary = await replica.cache_summary(100)
+        task.cancel()
+        card = await replica.model_card()
+        return flushed, during_flush, summary, card, await busy
+
+    try:
+        flushed, during_flush, summary, card, out = asyncio.run(run())
+    finally:
+        replica.engine = None
+    assert flushed is False  # a request was in flight
+    assert during_flush >= 10  # ~0.3 s of waiting, in 5 ms ticks
+    assert summary["stats"]["replica_id"] == "test"
+    assert card["context_length"] == engine.context_length == engine.model_config.context_length
+    assert out["meta_info"]["completion_tokens"] == 3
