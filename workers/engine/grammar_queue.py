@@ -8,6 +8,7 @@ so a replica that never sees one never pays for it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -24,13 +25,13 @@ class GrammarQueue:
         self,
         tokenizer: Any,
         vocab_size: int,
-        eos_token_ids: list[int],
+        eos_token_ids: Sequence[int],
         compile_timeout_s: float,
         max_rows: int,
     ):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self._eos_token_ids = eos_token_ids
+        self._eos_token_ids = list(eos_token_ids)
         self._compile_timeout_s = compile_timeout_s
         self._max_rows = max_rows
         self._backend: GrammarBackend | None = None
@@ -54,7 +55,10 @@ class GrammarQueue:
 
     def add(self, reqs: list[Req]) -> None:
         """Start (or join) the compile of the request's grammar; never blocks."""
-        self.waiting.append((self.backend.submit(*reqs[0].params.grammar), reqs))
+        grammar = reqs[0].params.grammar
+        if grammar is None:
+            raise ValueError(f"request {reqs[0].rid} has no grammar to wait for")
+        self.waiting.append((self.backend.submit(*grammar), reqs))
 
     def poll(self, inflight: InflightRequests, out: list[tuple[str, Any]]) -> list[Req]:
         """Settle the entries whose compile is done or whose sequences were all aborted; return

@@ -10,6 +10,7 @@ chunks).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from radixserve.workers.constrained.grammar import jump_forward_tokens
@@ -33,7 +34,7 @@ class OutputProcessor:
     def __init__(
         self,
         tokenizer: Any,
-        eos_token_ids: list[int],
+        eos_token_ids: Sequence[int],
         context_length: int,
         stream_interval: int = 1,
         jump_forward: bool = True,

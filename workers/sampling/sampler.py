@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,7 +95,7 @@ class SamplingBatch:
 class Sampler:
     """Samples one token per row. `vocab_size` is the tokenizer's: wider logits are padding and cut."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], device="cpu", seed: int | None = None):
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device="cpu", seed: int | None = None):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._last_resort = self.eos_token_ids[0] if self.eos_token_ids else 0
