@@ -111,7 +111,10 @@ class CompileWorker:
             self._kill_locked()
             if self._conn is not None:
                 self._conn.close()  # here, not in kill: only the driver thread reads it
-            ours, theirs = socket.socketpair()
+            try:
+                ours, theirs = socket.socketpair()
+            except OSError as exc:
+                raise WorkerGone(f"the compile worker failed to start: {exc}") from None
             try:
                 process = subprocess.Popen(
                     [
@@ -125,6 +128,9 @@ class CompileWorker:
                     stdin=subprocess.DEVNULL,
                     pass_fds=(theirs.fileno(),),
                 )
+            except OSError as exc:  # out of processes, file descriptors or memory
+                ours.close()
+                raise WorkerGone(f"the compile worker failed to start: {exc}") from None
             finally:
                 theirs.close()
             self._process, self._conn = process, Connection(ours.detach())
@@ -173,7 +179,10 @@ class CompileWorker:
         if self._process is None:
             return
         self._process.kill()
-        self._process.wait(timeout=10)  # reap it: SIGKILL cannot be caught, so this is quick
+        try:
+            self._process.wait(timeout=10)  # reap it: SIGKILL cannot be caught, so this is quick
+        except subprocess.TimeoutExpired:  # stuck in the kernel; subprocess reaps it later
+            logger.error("grammar compile worker %d did not exit after SIGKILL", self._process.pid)
         self._process = None
 
 

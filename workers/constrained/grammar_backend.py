@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 CompiledGrammar = xgr.CompiledGrammar
 _Key = tuple[str, str]
 _FOREVER, _NOT_KEPT = None, 0.0  # how long a result is remembered
+_COUNTED = {"grammar_compile_timeout": "timeouts", "grammar_compile_failed": "worker_deaths"}
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,17 @@ class GrammarBackend:
             self._cond.notify()
         return job.future
 
+    def _lookup(self, key: _Key) -> object | None:
+        entry = self._cache.get(key)
+        if entry is None:
+            return None
+        value, expires = entry
+        if expires is not None and time.monotonic() >= expires:
+            del self._cache[key]
+            return None
+        self._cache.move_to_end(key)
+        return value
+
     def stats(self) -> GrammarStats:
         with self._cond:
             return GrammarStats(
@@ -201,17 +213,6 @@ class GrammarBackend:
 
     # ---- the driver threads ----------------------------------------------------------------
 
-    def _lookup(self, key: _Key) -> object | None:
-        entry = self._cache.get(key)
-        if entry is None:
-            return None
-        value, expires = entry
-        if expires is not None and time.monotonic() >= expires:
-            del self._cache[key]
-            return None
-        self._cache.move_to_end(key)
-        return value
-
     def _drive(self, worker: CompileWorker) -> None:
         while (job := self._take(worker)) is not None:
             try:
@@ -245,27 +246,19 @@ class GrammarBackend:
         try:
             result = worker.compile(CompileJob(kind, text), self._timeout_s)
         except CompileTimeout:
-            self._count("timeouts")
             message = f"the {kind} grammar took longer than {self._timeout_s:g}s to compile; simplify it"
             return InvalidRequest(message, kind, "grammar_compile_timeout"), self._timeout_memory_s
         except WorkerGone as exc:
             if self._closed:
                 return EngineError("the grammar backend is closed"), _NOT_KEPT
-            self._count("worker_deaths")
             logger.warning("grammar compile worker died compiling a %s: %s", kind, exc)
-            message = (
-                f"the grammar compiler died (exit code {exc.exitcode}) compiling this {kind}; simplify it"
-            )
+            message = f"compiling this {kind} killed the grammar compiler (exit code {exc.exitcode})"
             return InvalidRequest(message, kind, "grammar_compile_failed"), self._timeout_memory_s
         error = result.error()
         if error is not None:
             return error, _FOREVER
         # Releases the GIL: 65 ms for a 5 MB grammar, during which the engine thread runs on.
         return CompiledGrammar.deserialize_json(result.grammar_json, self._infos[kind]), _FOREVER
-
-    def _count(self, name: str) -> None:
-        with self._cond:
-            self._counts[name] += 1
 
     def _finish(self, job: _Job, result: object, keep_s: float | None) -> None:
         with self._cond:
@@ -278,6 +271,8 @@ class GrammarBackend:
                     self._cache.popitem(last=False)
             if isinstance(result, InvalidRequest):
                 self._counts["failures"] += 1
+                if result.code in _COUNTED:
+                    self._counts[_COUNTED[result.code]] += 1
         # Outside the lock: done-callbacks run here and may submit again.
         _settle(job.future, result)
 
