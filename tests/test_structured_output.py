@@ -169,6 +169,8 @@ def test_jump_forward_saves_steps(engine):
     "params,param_name",
     [
         ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": '{"items": ' * 5000 + "{}" + "}" * 5000}, "json_schema"),  # past recursion
+        ({"regex": "a" * 300_000}, "regex"),
         ({"json_schema": json.dumps({"type": "object", "uniqueItems": True, "not": {}})}, "json_schema"),
         ({"regex": "(unclosed"}, "regex"),
         ({"ebnf": "root ::= "}, "ebnf"),
