@@ -385,6 +385,7 @@ class EngineCore:
 
     def close(self) -> None:
         self.worker.close()
+        self.grammars.close()
 
 
 def _answer(fut: Future, fn: Callable[[], Any]) -> None:

@@ -17,7 +17,7 @@ import torch
 from radixserve.workers.constrained.grammar_backend import GrammarBackend
 from radixserve.workers.engine.inflight import InflightRequests
 from radixserve.workers.engine.request import Req, ReqStatus
-from radixserve.workers.protocol import EngineError, InvalidRequest
+from radixserve.workers.protocol import EngineError, InvalidRequest, QueueFull
 
 
 class GrammarQueue:
@@ -76,7 +76,7 @@ class GrammarQueue:
                 still.append(entry)
             elif fut.exception() is not None:
                 error = fut.exception()
-                if not isinstance(error, InvalidRequest):
+                if not isinstance(error, (InvalidRequest, QueueFull)):  # 400 / 503 as they are
                     error = EngineError(f"the grammar compile failed: {error!r}")
                 inflight.fail(reqs[0].rid, error, out)
             else:
@@ -98,3 +98,8 @@ class GrammarQueue:
 
     def clear(self) -> None:
         self.waiting.clear()
+
+    def close(self) -> None:
+        """Stop the compile workers (engine shutdown); queued compiles fail with EngineError."""
+        if self._backend is not None:
+            self._backend.close()
