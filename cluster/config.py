@@ -150,7 +150,8 @@ HELP = {
     "mem_fraction_static": "share of memory for weights and the KV pool",
     "max_total_tokens": "KV pool size in tokens (wins over --mem-fraction-static)",
     "max_running_requests": "maximum requests in the running batch per replica",
-    "max_queued_requests": "waiting-queue limit per replica; beyond it requests get 503",
+    "max_queued_requests": "waiting-queue limit per replica, in sequences (a request with n=8 "
+    "counts 8); beyond it requests get 503",
     "chunked_prefill_size": "prefill chunk size in tokens (-1 disables chunking)",
     "schedule_policy": " | ".join(SCHEDULE_POLICIES),
     "disable_radix_cache": "turn prefix caching off",

@@ -30,6 +30,35 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
+def check_context_length(
+    prompt_tokens: int, max_new_tokens: int, context_length: int, param: str = "max_tokens"
+) -> None:
+    """Refuse a request whose prompt plus completion budget exceeds the model's context length
+    (OpenAI's `context_length_exceeded`). The ingress and the engine both apply it."""
+    total = prompt_tokens + max_new_tokens
+    if total > context_length:
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {total} tokens ({prompt_tokens} in the prompt, {max_new_tokens} for the "
+            "completion). Please reduce the prompt or the completion length.",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+# Temperatures below this sample greedily (as SGLang does): dividing logits by a tiny temperature
+# overflows float32 (1e-45 is a denormal; 30 / 1e-45 is inf), and the result is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-6
+# The repetition penalty divides positive logits: 1 / 0.01 scales a logit by at most 100, so even a
+# logit of 1e4 divided by the smallest sampled temperature stays far below float32's 3.4e38, while a
+# value like 1e-45 turns every repeated token's logit into inf. Below 0.01 nothing changes in what
+# is sampled (repeated tokens already dominate every other), so that is the lower bound.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
+# What torch.Generator.manual_seed accepts; sequence i of a request uses seed + i.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters, named as SGLang names them."""
@@ -112,6 +141,12 @@ class SamplingParams:
             bad("'max_new_tokens' must be >= 0", "max_new_tokens")
         if not 0 <= self.min_new_tokens:
             bad("'min_new_tokens' must be >= 0", "min_new_tokens")
+        if self.min_new_tokens > self.max_new_tokens:
+            bad(
+                f"'min_new_tokens' ({self.min_new_tokens}) must not exceed 'max_new_tokens' "
+                f"({self.max_new_tokens})",
+                "min_new_tokens",
+            )
         if self.temperature < 0:
             bad("'temperature' must be >= 0", "temperature")
         if not 0 < self.top_p <= 1:
@@ -120,8 +155,11 @@ class SamplingParams:
             bad("'top_k' must be -1 (disabled) or >= 1", "top_k")
         if not 0 <= self.min_p <= 1:
             bad("'min_p' must be in [0, 1]", "min_p")
-        if self.repetition_penalty <= 0:
-            bad("'repetition_penalty' must be > 0", "repetition_penalty")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad(
+                f"'repetition_penalty' must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]",
+                "repetition_penalty",
+            )
         if not -2 <= self.frequency_penalty <= 2:
             bad("'frequency_penalty' must be in [-2, 2]", "frequency_penalty")
         if not -2 <= self.presence_penalty <= 2:
@@ -130,8 +168,11 @@ class SamplingParams:
             bad("'n' must be in [1, 128]", "n")
         if not 0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS:
             bad(f"'top_logprobs' must be in [0, {self.MAX_TOP_LOGPROBS}]", "top_logprobs")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("'seed' must be an integer", "seed")
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                bad("'seed' must be an integer", "seed")
+            if not MIN_SEED <= self.seed <= MAX_SEED - (self.n - 1):
+                bad(f"'seed' must be in [{MIN_SEED}, {MAX_SEED - (self.n - 1)}]", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("'stop' must be non-empty strings", "stop")
         if len(self.stop) > 16:
@@ -154,7 +195,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax decoding: top_k 1, or a temperature below GREEDY_TEMPERATURE (never divided by)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def grammar(self) -> tuple[str, str] | None:

@@ -19,6 +19,7 @@ from ray import serve
 
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.protocol import (
+    EngineError,
     GenerateRequest,
     InvalidRequest,
     ModelCard,
@@ -67,8 +68,9 @@ class EngineReplica:
         """Stream one request: an empty chunk once the engine accepted it, then its chunks.
 
         A refusal (invalid request, full queue) is sent as an `encode_error` message, even after
-        the acceptance (a grammar fails to compile when scheduled). If the caller goes away
-        (Serve cancels this generator) the request is aborted, so its KV is released.
+        the acceptance (a grammar fails to compile when scheduled); so is an `EngineError` that
+        ended the request mid-way. If the caller goes away (Serve cancels this generator) the
+        request is aborted, so its KV is released.
         """
         try:
             req = GenerateRequest.from_dict(request)
@@ -82,7 +84,7 @@ class EngineReplica:
             async for chunk in stream:
                 yield chunk.to_dict()
             finished = True
-        except (InvalidRequest, QueueFull) as e:
+        except (InvalidRequest, QueueFull, EngineError) as e:
             finished = True  # the engine already dropped it
             yield encode_error(e)
         finally:
@@ -94,10 +96,11 @@ class EngineReplica:
         return ModelCard(
             served_model_name=self.engine.served_model_name,
             model_path=self.config.model_path,
-            context_length=int(self.engine.context_length),
+            context_length=self.engine.context_length,
             vocab_size=len(self.engine.tokenizer),
             eos_token_ids=[int(t) for t in cfg.eos_token_ids],
-            tokenizer_files=tokenizer_files(self.engine.tokenizer),
+            # Written to and read back from a temporary directory: disk work, off the event loop.
+            tokenizer_files=await asyncio.to_thread(tokenizer_files, self.engine.tokenizer),
         ).to_dict()
 
     async def stats(self) -> dict[str, Any]:
@@ -119,7 +122,8 @@ class EngineReplica:
         return {"replica_id": self.replica_id, **self.engine.stats()}
 
     async def flush_cache(self) -> bool:
-        return bool(self.engine.flush_cache())
+        # The engine answers between steps; waiting for that must not hold up this event loop.
+        return bool(await asyncio.to_thread(self.engine.flush_cache))
 
     async def abort(self, rid: str) -> bool:
         return bool(self.engine.abort(rid))

@@ -13,7 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from radixserve.workers.protocol import MAX_SEQUENCES_PER_REQUEST, InvalidRequest, SamplingParams
+from radixserve.workers.protocol import (
+    MAX_SEQUENCES_PER_REQUEST,
+    InvalidRequest,
+    SamplingParams,
+    check_context_length,
+)
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
 
@@ -206,15 +211,7 @@ def max_new_tokens(requested: int | None, prompt_len: int, context_length: int, 
     if requested is not None and (isinstance(requested, bool) or requested < 1):
         raise InvalidRequest(f"'{param}' must be >= 1", param)
     budget = requested if requested is not None else context_length - prompt_len
-    if prompt_len + max(budget, 1) > context_length:
-        raise InvalidRequest(
-            f"This model's maximum context length is {context_length} tokens. However, you "
-            f"requested {prompt_len + max(budget, 1)} tokens ({prompt_len} in the prompt, "
-            f"{max(budget, 1)} for the completion). Please reduce the prompt or the completion "
-            "length.",
-            param,
-            code="context_length_exceeded",
-        )
+    check_context_length(prompt_len, max(budget, 1), context_length, param)
     return budget
 
 
@@ -277,10 +274,7 @@ def native_sampling_params(
         d["logprobs"] = True
         d["top_logprobs"] = req.top_logprobs_num
     params = _build(d, vocab_size)
-    if prompt_len + params.max_new_tokens > context_length:
-        max_new_tokens(
-            params.max_new_tokens or 1, prompt_len, context_length, "sampling_params.max_new_tokens"
-        )
+    check_context_length(prompt_len, params.max_new_tokens, context_length, "sampling_params.max_new_tokens")
     return params
 
 

@@ -294,13 +294,9 @@ class RadixCache(PrefixCache):
             yield node
             stack.extend(node.children.values())
 
-    def cached_prefixes(self, max_tokens: int) -> list[list[int]]:
-        """Token paths (root to leaf) of the cached leaves, most recently used first, until their
-        lengths add up to max_tokens: what a router needs to correct its view of this cache."""
-        return [path for _, path in self.cached_paths(max_tokens)]
-
     def cached_paths(self, max_tokens: int) -> list[tuple[Hashable | None, list[int]]]:
-        """`cached_prefixes` with each path's namespace: (namespace, path) pairs."""
+        """Token paths (root to leaf) of the cached leaves with their namespace, most recently
+        used first, until their lengths add up to max_tokens."""
         leaves = sorted((n for n in self._nodes() if not n.children), key=lambda n: -n.stamp)
         out, total = [], 0
         for leaf in leaves:
