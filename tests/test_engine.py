@@ -112,11 +112,13 @@ def test_logprobs(engine):
         "The capital of France is",
         {"max_new_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2},
     )
+    # SGLang's triples: [logprob, token id, token text], alternatives best first.
     lps = out["meta_info"]["output_token_logprobs"]
     tops = out["meta_info"]["output_top_logprobs"]
-    assert [t for _, t in lps] == out["output_ids"]
-    for (lp, tok), top in zip(lps, tops):
-        assert len(top) == 2 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-4  # greedy = best
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    assert "".join(text for _, _, text in lps) == out["text"]
+    for (lp, tok, _), top in zip(lps, tops):
+        assert len(top) == 2 and top[0][1] == tok and abs(top[0][0] - lp) < 1e-4  # greedy = best
 
 
 def test_streaming_deltas_concatenate(engine):

@@ -198,10 +198,11 @@ def test_grammars_are_checked_and_built_on_the_engine_thread(engine, monkeypatch
 def test_replica_calls_that_wait_for_the_engine_leave_its_event_loop_free(engine):
     """flush_cache and cache_summary wait for a step boundary; the replica's event loop keeps
     serving meanwhile (here: a ticker), even while steps are slow."""
+    from radixserve.workers.engine.config import EngineConfig
     from radixserve.workers.replica import EngineReplica
 
     replica = object.__new__(EngineReplica.func_or_class)
-    replica.engine, replica.replica_id, replica.engine_kwargs = engine, "test", {}
+    replica.engine, replica.replica_id, replica.config = engine, "test", EngineConfig()
     engine.core.worker.fault_hook = lambda stage, req: time.sleep(0.3) if stage == "forward" else None
 
     async def run():

@@ -116,7 +116,7 @@ def test_a_tenant_s_requests_carry_its_namespace_and_qualified_ids():
 def guarded_app(keys: ApiKeys) -> TestClient:
     app = FastAPI()
     app.add_middleware(Guard, keys=keys, max_bytes=1024)
-    add_error_handlers(app, 1024)
+    add_error_handlers(app)
 
     async def whoami(request: Request) -> dict:
         who = identity_of(request)

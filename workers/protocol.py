@@ -11,8 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# One HTTP request may ask for several prompts, each with n samples; every one of those sequences
+# is scheduled like a request of its own, so their product is capped (400 beyond it).
+MAX_SEQUENCES_PER_REQUEST = 256
 
 
 class InvalidRequest(ValueError):
@@ -273,6 +278,62 @@ class OutputChunk:
         if d.get("logprobs") is not None:
             d["logprobs"] = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in d["logprobs"]]
         return cls(**d)
+
+
+def native_result(rid: str) -> dict[str, Any]:
+    """One sequence's result in SGLang's /generate shape, before any output arrived.
+
+    Both `Engine.generate` (offline) and the HTTP `/generate` build their results with this and
+    `add_to_native_result`, so the two always agree.
+    """
+    return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": rid,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "finish_reason": None,
+            "e2e_latency": None,
+        },
+    }
+
+
+def add_to_native_result(
+    result: dict[str, Any], chunk: OutputChunk, token_text: Callable[[int], str] | None = None
+) -> None:
+    """Fold one chunk of the sequence into `result` (from `native_result`).
+
+    Logprobs, when the request asked for them, are SGLang's triples: `output_token_logprobs` is
+    `[logprob, token_id, text]` per output token, `output_top_logprobs` (present when alternatives
+    were asked for) a list of such triples per output token, best first. `text` is
+    `token_text(token_id)`, or None without `token_text`.
+    """
+    result["text"] += chunk.text
+    result["output_ids"].extend(chunk.token_ids)
+    meta = result["meta_info"]
+    meta["completion_tokens"] = len(result["output_ids"])
+    if chunk.logprobs is not None:
+
+        def triple(token_id: int, logprob: float) -> list[Any]:
+            return [logprob, token_id, token_text(token_id) if token_text else None]
+
+        meta.setdefault("output_token_logprobs", []).extend(
+            triple(lp.token_id, lp.logprob) for lp in chunk.logprobs
+        )
+        if any(lp.top for lp in chunk.logprobs):
+            meta.setdefault("output_top_logprobs", []).extend(
+                [triple(t, v) for t, v in lp.top] for lp in chunk.logprobs
+            )
+    if chunk.finished:
+        meta.update(
+            prompt_tokens=chunk.prompt_tokens,
+            completion_tokens=chunk.completion_tokens,
+            cached_tokens=chunk.cached_tokens,
+            finish_reason=chunk.finish_reason,
+            e2e_latency=chunk.e2e_latency,
+        )
 
 
 @dataclass

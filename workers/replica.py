@@ -2,12 +2,13 @@
 
 Everything crossing the handle is a protocol dict: requests in as `GenerateRequest.to_dict()`,
 chunks out as `OutputChunk.to_dict()`, refusals as `encode_error(...)`. The deployment options
-(replica count, CPUs, request router) are set by cluster/app.py, not here.
+(replica count, CPUs, requests in flight, request router) are set by cluster/app.py, not here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import tempfile
@@ -16,6 +17,7 @@ from typing import Any
 
 from ray import serve
 
+from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.protocol import (
     EngineError,
     GenerateRequest,
@@ -27,10 +29,6 @@ from radixserve.workers.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Every request a replica holds is one ongoing Serve request; the engine, not Serve, is the
-# queue (max_queued_requests answers 503), so Serve's own per-replica cap must not bind first.
-MAX_ONGOING_REQUESTS = 4096
 
 
 def _replica_id() -> str:
@@ -53,17 +51,16 @@ def tokenizer_files(tokenizer: Any) -> dict[str, str]:
 
 @serve.deployment(
     name="EngineReplica",
-    max_ongoing_requests=MAX_ONGOING_REQUESTS,
     health_check_period_s=10,
     health_check_timeout_s=60,
     graceful_shutdown_timeout_s=5,
 )
 class EngineReplica:
-    def __init__(self, engine_kwargs: dict[str, Any]):
+    def __init__(self, config: EngineConfig):
         from radixserve.workers.engine.engine import Engine  # heavy: torch + the model
 
-        self.engine_kwargs = dict(engine_kwargs)
-        self.engine = Engine(**self.engine_kwargs)
+        self.config = config
+        self.engine = Engine(**dataclasses.asdict(config))
         self.replica_id = _replica_id()
         logger.info("engine replica %s ready: %s", self.replica_id, self.engine.served_model_name)
 
@@ -98,7 +95,7 @@ class EngineReplica:
         cfg = self.engine.model_config
         return ModelCard(
             served_model_name=self.engine.served_model_name,
-            model_path=self.engine_kwargs.get("model_path"),
+            model_path=self.config.model_path,
             context_length=self.engine.context_length,
             vocab_size=len(self.engine.tokenizer),
             eos_token_ids=[int(t) for t in cfg.eos_token_ids],

@@ -35,6 +35,8 @@ from radixserve.workers.protocol import (
     QueueFull,
     ReplicaStats,
     SamplingParams,
+    add_to_native_result,
+    native_result,
 )
 
 logger = logging.getLogger("radixserve.engine")
@@ -191,7 +193,7 @@ class Engine:
     async def _collect(self, request: GenerateRequest) -> list[dict[str, Any]]:
         outs: dict[int, dict[str, Any]] = {}
         async for chunk in self.submit(request):
-            _merge(outs.setdefault(chunk.index, _empty_result(request.rid)), chunk)
+            _merge(outs.setdefault(chunk.index, _empty_result(request.rid)), chunk, self.tokenizer)
         return [outs[i] for i in sorted(outs)]
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
@@ -211,7 +213,7 @@ class Engine:
         request.stream = True
         async for chunk in self.submit(request):
             out = outs.setdefault(chunk.index, _empty_result(request.rid))
-            _merge(out, chunk)
+            _merge(out, chunk, self.tokenizer)
             yield dict(out, index=chunk.index, meta_info=dict(out["meta_info"]))
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None):
@@ -293,34 +295,10 @@ def _put_all(batch: list) -> None:
 
 
 def _empty_result(rid: str) -> dict[str, Any]:
-    return {
-        "text": "",
-        "output_ids": [],
-        "meta_info": {
-            "id": rid,
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "cached_tokens": 0,
-            "finish_reason": None,
-            "e2e_latency": None,
-        },
-    }
+    return native_result(rid)
 
 
-def _merge(out: dict[str, Any], chunk: OutputChunk) -> None:
-    out["text"] += chunk.text
-    out["output_ids"].extend(chunk.token_ids)
-    meta = out["meta_info"]
-    if chunk.logprobs is not None:
-        meta.setdefault("output_token_logprobs", []).extend(
-            (lp.logprob, lp.token_id) for lp in chunk.logprobs
-        )
-        meta.setdefault("output_top_logprobs", []).extend(lp.top for lp in chunk.logprobs)
-    if chunk.finished:
-        meta.update(
-            prompt_tokens=chunk.prompt_tokens,
-            completion_tokens=chunk.completion_tokens,
-            cached_tokens=chunk.cached_tokens,
-            finish_reason=chunk.finish_reason,
-            e2e_latency=chunk.e2e_latency,
-        )
+def _merge(out: dict[str, Any], chunk: OutputChunk, tokenizer: Any) -> None:
+    """Logprob triples carry the token's text: the engine has the tokenizer (SGLang fills it only
+    with return_text_in_logprobs; here it is always there, as over HTTP)."""
+    add_to_native_result(out, chunk, lambda t: tokenizer.decode([t], skip_special_tokens=False))
