@@ -243,6 +243,7 @@ class TorchDistTransferEngine(KVTransferEngine):
             except HandshakeMismatch as exc:
                 error = str(exc)
                 logger.warning("%s", exc)
+                self.refusals.append(error)
             self.stats.count(hello.sender_id, handshakes_refused=1)
         reply = HelloReply(self.replica_id, self.spec, error, {k: list(v) for k, v in fields.items()})
         store.set(f"kv/{hello.nonce}/reply", encode(reply))
@@ -271,6 +272,10 @@ class TorchDistTransferEngine(KVTransferEngine):
             with push_lock:
                 push.queue_push(tx, STOP)
 
+        def backlog() -> int:
+            with push_lock:
+                return push.queue_len(tx)
+
         staging = StagingBuffer(self.view)
 
         def read_payload(seq: int) -> Callable[[Piece], torch.Tensor]:
@@ -281,7 +286,7 @@ class TorchDistTransferEngine(KVTransferEngine):
 
             return read
 
-        self._receiver.connected(Connection(hello.nonce, hello.sender_id, send_back, wake))
+        self._receiver.connected(Connection(hello.nonce, hello.sender_id, send_back, wake, backlog))
         store.set_timeout(IDLE_WAIT)
         error: KVTransferError = PeerLost(f"connection of prefill replica {hello.sender_id!r} closed")
         try:

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,9 @@ from radixserve.workers.disaggregation.transfer import RecvHandle, SendHandle
 from radixserve.workers.mem_cache.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
+
+# The spec fields a pool determines; the rest (model identity, transport) are the caller's.
+POOL_FIELDS = ("dtype", "page_size", "num_layers", "num_kv_heads", "head_dim")
 
 
 class KVTransferEngine(ABC):
@@ -53,9 +57,12 @@ class KVTransferEngine(ABC):
     def __init__(self, pool: KVPool, spec: KVSpec, replica_id: str, config: KVTransferConfig | None = None):
         if spec.transport != self.transport:
             raise ValueError(f"a {self.transport} engine got a spec for transport {spec.transport!r}")
-        mine = KVSpec.for_pool(pool, spec.served_model_name, spec.fingerprint, spec.transport)
-        if mine != spec:
-            raise ValueError(f"the spec does not describe the pool: {spec} vs {mine}")
+        pool_spec = KVSpec.for_pool(pool, spec.served_model_name, spec.fingerprint, spec.transport)
+        for name in POOL_FIELDS:
+            if getattr(pool_spec, name) != getattr(spec, name):
+                raise ValueError(
+                    f"KVSpec.{name} is {getattr(spec, name)!r} but the pool's is {getattr(pool_spec, name)!r}"
+                )
         self.pool = pool
         self.spec = spec
         self.replica_id = replica_id
@@ -65,6 +72,9 @@ class KVTransferEngine(ABC):
         self._sender = KVSender(self.view, self.stats, self.config, self._open_link)
         self._receiver = KVReceiver(self.view, self.stats, self.config)
         self._endpoint: KVEndpoint | None = None
+        # The latest handshakes this replica refused, for operators (a misconfigured pool shows
+        # up here and in the log, on both sides).
+        self.refusals: deque[str] = deque(maxlen=32)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name=f"kv-ticker-{replica_id}", daemon=True)
@@ -103,7 +113,14 @@ class KVTransferEngine(ABC):
     # -- both ----------------------------------------------------------------------------------
 
     def stats_snapshot(self) -> dict[str, Any]:
-        return self.stats.snapshot()
+        """Byte and transfer counters per peer and in total, plus the transfers open right now."""
+        out = self.stats.snapshot()
+        out["open"] = self.open_transfers()
+        return out
+
+    def open_transfers(self) -> dict[str, int]:
+        """Transfers not yet settled: {"sending": n, "receiving": m}; both 0 when idle."""
+        return {"sending": self._sender.open_count(), "receiving": self._receiver.open_count()}
 
     def close(self) -> None:
         """Fail every open transfer, tear every pair down and stop every thread this engine runs."""

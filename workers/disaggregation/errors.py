@@ -35,3 +35,13 @@ class TransferCancelled(KVTransferError):
 
 class TransferRefused(KVTransferError):
     """The receiver refused the transfer: it was not expecting it, or the slot lists disagree."""
+
+
+def about(error: KVTransferError, transfer_id: str) -> KVTransferError:
+    """`error` (a pair's failure) as the failure of one of its transfers: same type and fields,
+    the message prefixed with the transfer id."""
+    cls = type(error)
+    out = cls.__new__(cls)  # not cls(...): subclasses take extra constructor arguments
+    out.__dict__.update(error.__dict__)
+    out.args = (f"transfer {transfer_id!r}: {error}",)
+    return out

@@ -154,6 +154,7 @@ class RayTransferEngine(KVTransferEngine):
         h = Hello.from_dict(hello)
         if error:
             logger.warning("%s", error)
+            self.refusals.append(error)
             self.stats.count(h.sender_id, handshakes_refused=1)
             return
         inbox = self._inbox

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,12 +23,15 @@ from radixserve.workers.disaggregation.errors import (
     TransferCancelled,
     TransferRefused,
     TransferTimeout,
+    about,
 )
 from radixserve.workers.disaggregation.messages import Frame, FrameKind, KVEndpoint, KVTicket, slots_digest
 from radixserve.workers.disaggregation.packing import Piece, PoolView
 from radixserve.workers.disaggregation.stats import TransferStats
 from radixserve.workers.disaggregation.transfer import RecvHandle
 
+# Dropped connections remembered for their late frames (one per sender reconnect or death).
+MAX_DROPPED = 256
 # The stats key of transfers that failed before any sender began them.
 NO_SENDER = "(no sender)"
 
@@ -44,6 +48,9 @@ class Connection:
     peer: str  # the sender's replica id
     ack: Callable[[Frame], None]  # send a frame back to the sender (never blocks for long)
     close: Callable[[], None]  # tear the connection down (the transport's reader exits)
+    # Frames waiting for this side's reader: a silent sender with a backlog is alive, and the
+    # reader is the one lagging (a starved process); None where the transport cannot tell.
+    backlog: Callable[[], int] | None = None
     next_seq: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     busy: bool = False  # inside a payload read, whose own timeout bounds it
@@ -57,6 +64,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._expected: dict[str, RecvHandle] = {}
         self._conns: dict[str, Connection] = {}
+        self._dropped: OrderedDict[str, KVTransferError] = OrderedDict()  # recent, by key
 
     def expect(
         self, transfer_id: str, endpoint: KVEndpoint, dst_slots, held_tokens: int, timeout: float | None
@@ -74,6 +82,10 @@ class KVReceiver:
         handle.future.add_done_callback(lambda _f: self._ended(handle))
         return handle
 
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._expected)
+
     def connected(self, conn: Connection) -> None:
         """Register a connection; an older connection of the same sender is dead (it reconnected)."""
         with self._lock:
@@ -88,16 +100,21 @@ class KVReceiver:
         with self._lock:
             conn = self._conns.pop(key, None)
             handles = [h for h in self._expected.values() if h.peer_key == key]
+            if conn is not None:
+                self._dropped[key] = error
+                while len(self._dropped) > MAX_DROPPED:
+                    self._dropped.popitem(last=False)
         if conn is None:
             return
         for h in handles:
-            h.fail(type(error)(f"transfer {h.transfer_id!r}: {error}"))
+            h.fail(about(error, h.transfer_id))
         conn.close()
 
     def on_frame(self, key: str, frame: Frame, read_payload: Callable[[Piece], torch.Tensor]) -> None:
         conn = self._conns.get(key)
         if conn is None:
-            raise ProtocolError(f"frame on unknown connection {key!r}")
+            self._on_orphan(key, frame)
+            return
         conn.last_seen = time.monotonic()
         if not frame.ordered:
             return
@@ -130,13 +147,19 @@ class KVReceiver:
             h.fail(TransferTimeout(f"transfer {h.transfer_id!r}: not complete within its deadline"))
         for conn in conns:
             silent = now - conn.last_seen
-            if not conn.busy and silent > self._config.peer_timeout:
+            if not conn.busy and silent > self._config.peer_timeout and not self._lagging(conn):
                 self.drop(conn.key, PeerLost(f"no word from prefill replica {conn.peer!r} for {silent:.1f}s"))
                 continue
             try:
                 conn.ack(Frame(FrameKind.HEARTBEAT))
             except Exception as exc:  # any failure of the link ends the connection
                 self.drop(conn.key, PeerLost(f"heartbeat to prefill replica {conn.peer!r} failed: {exc}"))
+
+    def _lagging(self, conn: Connection) -> bool:
+        try:
+            return conn.backlog is not None and conn.backlog() > 0
+        except Exception:  # the link is gone: not lagging, dead
+            return False
 
     def close(self) -> None:
         with self._lock:
@@ -146,6 +169,18 @@ class KVReceiver:
             self.drop(key, PeerLost("the KV transfer engine closed"))
         for h in handles:
             h.fail(TransferCancelled(f"transfer {h.transfer_id!r}: the KV transfer engine closed"))
+
+    def _on_orphan(self, key: str, frame: Frame) -> None:
+        """A frame the sender queued before its connection was dropped (the transport reads
+        such frames until its STOP). A BEGIN there claims a transfer whose sender is already
+        lost: fail it now instead of at its deadline. Payloads are not read: the pair is dead."""
+        with self._lock:
+            error = self._dropped.get(key)
+            handle = self._expected.get(frame.transfer_id)
+        if error is None:
+            raise ProtocolError(f"frame on unknown connection {key!r}")
+        if frame.kind == FrameKind.BEGIN and handle is not None and not handle.began:
+            handle.fail(about(error, frame.transfer_id))
 
     def _handle(self, conn: Connection, transfer_id: str) -> RecvHandle | None:
         with self._lock:

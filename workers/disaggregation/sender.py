@@ -21,6 +21,7 @@ from radixserve.workers.disaggregation.errors import (
     PeerLost,
     TransferRefused,
     TransferTimeout,
+    about,
 )
 from radixserve.workers.disaggregation.link import SendLink
 from radixserve.workers.disaggregation.messages import Frame, FrameKind, KVEndpoint, KVTicket, slots_digest
@@ -73,7 +74,7 @@ class SendPair:
             if broken is None:
                 self._queue.put(op)
         if broken is not None:
-            self._settle(op.handle, PeerLost(f"transfer {op.handle.transfer_id!r}: {broken}"))
+            self._settle(op.handle, about(broken, op.handle.transfer_id))
 
     def abandon(self, handle: SendHandle, error: KVTransferError) -> bool:
         """End a transfer from this side (cancel, deadline): settle it and tell the receiver."""
@@ -91,7 +92,7 @@ class SendPair:
             live = list(self._live.values())
         self._queue.put(None)
         for handle in live:
-            self._settle(handle, type(error)(f"transfer {handle.transfer_id!r}: {error}"))
+            self._settle(handle, about(error, handle.transfer_id))
         self._on_closed(self)
 
     def check(self, now: float) -> None:
@@ -211,7 +212,7 @@ class SendPair:
             except queue.Empty:
                 return
             if op is not None:
-                self._settle(op.handle, PeerLost(f"transfer {op.handle.transfer_id!r}: {self._broken}"))
+                self._settle(op.handle, about(self._broken or PeerLost("pair closed"), op.handle.transfer_id))
 
 
 class KVSender:
@@ -225,6 +226,7 @@ class KVSender:
         self._config = config
         self._open_link = open_link
         self._pairs: dict[tuple[str, str], SendPair] = {}
+        self._open: set[SendHandle] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -248,8 +250,19 @@ class KVSender:
             held_tokens=ticket.held_tokens,
             slots_digest=slots_digest(ticket.dst_slots),
         )
+        with self._lock:
+            self._open.add(handle)
+        handle.future.add_done_callback(lambda _f: self._settled(handle))
         pair.submit(SendOp(handle, begin))
         return handle
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def _settled(self, handle: SendHandle) -> None:
+        with self._lock:
+            self._open.discard(handle)
 
     def tick(self, now: float) -> None:
         with self._lock:
