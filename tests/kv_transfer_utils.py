@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
+import uuid
 import zlib
 from typing import Any
 
+import ray
 import torch
 
 from radixserve.workers.disaggregation import (
@@ -22,6 +25,7 @@ from radixserve.workers.disaggregation import (
 from radixserve.workers.disaggregation.dist_transport import TorchDistTransferEngine
 from radixserve.workers.mem_cache.kv_pool import KVPool
 
+LAYERS, HEADS, DIM = 4, 3, 8
 # Short timeouts keep failure tests quick; heartbeats stay well inside peer_timeout.
 TEST_CONFIG = dict(
     op_timeout=3.0, connect_timeout=10.0, heartbeat_interval=0.3, peer_timeout=3.0, transfer_timeout=30.0
@@ -31,9 +35,9 @@ TEST_CONFIG = dict(
 def make_engine(
     replica_id: str,
     transport: str = "gloo",
-    layers: int = 4,
-    heads: int = 3,
-    dim: int = 8,
+    layers: int = LAYERS,
+    heads: int = HEADS,
+    dim: int = DIM,
     slots: int = 1024,
     dtype: str = "bfloat16",
     page_size: int = 1,
@@ -167,3 +171,58 @@ class KVPeer:
     def close(self) -> None:
         for engine in self.engines.values():
             engine.close()
+
+
+# -- driver-side helpers ---------------------------------------------------------------------
+
+# (field, make_engine arguments of a sender that differs in it, its value, the receiver's value)
+SPEC_MISMATCHES = [
+    ("served_model_name", {"spec_overrides": {"served_model_name": "other-model"}}, "other-model", "smollm2"),
+    ("fingerprint", {"spec_overrides": {"fingerprint": "0" * 32}}, "0" * 32, "f" * 32),
+    ("dtype", {"dtype": "float32"}, "float32", "bfloat16"),
+    ("page_size", {"page_size": 16}, 16, 1),
+    ("num_layers", {"layers": 5}, 5, 4),
+    ("num_kv_heads", {"heads": 2}, 2, 3),
+    ("head_dim", {"dim": 16}, 16, 8),
+    ("protocol_version", {"spec_overrides": {"protocol_version": 2}}, 2, 1),
+]
+
+
+def token_layer_bytes(dtype: str = "bfloat16") -> int:
+    return 2 * HEADS * DIM * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def tid() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def move(p, d, n, held=0, mode="all", chunk=0, engine="main"):
+    """One transfer of `n - held` tokens; returns (sender slots, receiver slots, transfer id)."""
+    src = ray.get(p.alloc.remote(n, engine))[held:]
+    dst = ray.get(d.alloc.remote(n - held, engine))
+    t = tid()
+    ticket = ray.get(d.expect.remote(t, dst, held, engine=engine))
+    ray.get(p.send.remote(ticket, src, mode, chunk, engine))
+    assert ray.get(d.outcome.remote(t)) == ""
+    assert ray.get(p.outcome.remote(t)) == ""
+    return src, dst, t
+
+
+def assert_moved(p, d, src, dst, before, engine="main"):
+    """The receiver's `dst` rows equal the sender's `src` rows; every other row is unchanged."""
+    assert torch.equal(ray.get(d.read.remote(dst, engine)), ray.get(p.read.remote(src, engine)))
+    after = ray.get(d.whole_pool.remote(engine))
+    keep = torch.ones(after.shape[2], dtype=torch.bool)
+    keep[dst] = False
+    assert torch.equal(after[:, :, keep], before[:, :, keep])
+
+
+def free(p, d, src, dst, engine="main"):
+    ray.get([p.free.remote(src, engine), d.free.remote(dst, engine)])

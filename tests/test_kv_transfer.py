@@ -6,21 +6,24 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-import uuid
 
 import pytest
 import ray
 import torch
 
 from tests import kv_transfer_utils
-from tests.kv_transfer_utils import TEST_CONFIG, KVPeer
-
-LAYERS, HEADS, DIM = 4, 3, 8
-
-
-def token_layer_bytes(dtype: str = "bfloat16") -> int:
-    return 2 * HEADS * DIM * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+from tests.kv_transfer_utils import (
+    LAYERS,
+    SPEC_MISMATCHES,
+    TEST_CONFIG,
+    KVPeer,
+    assert_moved,
+    free,
+    move,
+    tid,
+    token_layer_bytes,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,42 +49,6 @@ def idle_after(request):
         p0, d0 = request.getfixturevalue("pair")
         for peer in (p0, d0):
             assert ray.get(peer.stats.remote())["open"] == {"sending": 0, "receiving": 0}
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
-def tid() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-def move(p, d, n, held=0, mode="all", chunk=0, engine="main"):
-    """One transfer of `n - held` tokens; returns (sender slots, receiver slots, transfer id)."""
-    src = ray.get(p.alloc.remote(n, engine))[held:]
-    dst = ray.get(d.alloc.remote(n - held, engine))
-    t = tid()
-    ticket = ray.get(d.expect.remote(t, dst, held, engine=engine))
-    ray.get(p.send.remote(ticket, src, mode, chunk, engine))
-    assert ray.get(d.outcome.remote(t)) == ""
-    assert ray.get(p.outcome.remote(t)) == ""
-    return src, dst, t
-
-
-def assert_moved(p, d, src, dst, before, engine="main"):
-    """The receiver's `dst` rows equal the sender's `src` rows; every other row is unchanged."""
-    assert torch.equal(ray.get(d.read.remote(dst, engine)), ray.get(p.read.remote(src, engine)))
-    after = ray.get(d.whole_pool.remote(engine))
-    keep = torch.ones(after.shape[2], dtype=torch.bool)
-    keep[dst] = False
-    assert torch.equal(after[:, :, keep], before[:, :, keep])
-
-
-def free(p, d, src, dst, engine="main"):
-    ray.get([p.free.remote(src, engine), d.free.remote(dst, engine)])
 
 
 @pytest.mark.parametrize("mode", ["all", "layers", "chunks"])
@@ -188,18 +155,6 @@ def test_many_pairs_at_once(cluster, pair):
     for p, d, src, dst, _ in jobs:
         free(p, d, src, dst)
     ray.get([p1.close.remote(), d1.close.remote()])
-
-
-SPEC_MISMATCHES = [
-    ("served_model_name", {"spec_overrides": {"served_model_name": "other-model"}}, "other-model", "smollm2"),
-    ("fingerprint", {"spec_overrides": {"fingerprint": "0" * 32}}, "0" * 32, "f" * 32),
-    ("dtype", {"dtype": "float32"}, "float32", "bfloat16"),
-    ("page_size", {"page_size": 16}, 16, 1),
-    ("num_layers", {"layers": 5}, 5, 4),
-    ("num_kv_heads", {"heads": 2}, 2, 3),
-    ("head_dim", {"dim": 16}, 16, 8),
-    ("protocol_version", {"spec_overrides": {"protocol_version": 2}}, 2, 1),
-]
 
 
 @pytest.mark.parametrize(
