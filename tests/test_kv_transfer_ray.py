@@ -25,7 +25,7 @@ from tests.kv_transfer_utils import (
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(kv_transfer_utils)
     yield ray.remote(num_cpus=0, max_concurrency=16)(KVPeer)
     ray.shutdown()

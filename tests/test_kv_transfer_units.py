@@ -16,6 +16,7 @@ from radixserve.workers.disaggregation import (
     KVSpec,
     KVTicket,
     KVTransferConfig,
+    PeerLost,
     create_kv_transfer_engine,
     model_fingerprint,
     resolve_transport,
@@ -242,12 +243,27 @@ def test_in_process_loopback_and_close_fails_open_transfers():
         for layer in range(3):
             assert torch.equal(recv_pool.k_buffers[layer][dst], send_pool.k_buffers[layer][src])
             assert torch.equal(recv_pool.v_buffers[layer][dst], send_pool.v_buffers[layer][src])
+        # Nothing to move (the receiver holds every token): BEGIN and END only.
+        empty = receiver.expect("t0", [], held_tokens=9)
+        sender.send(empty.ticket, []).finish().result(30)
+        empty.result(30)
         pending = receiver.expect("t2", recv_pool.alloc(2))
+        half = sender.send(pending.ticket, send_pool.alloc(2))
+        half.send_layers(0, 1)
+        receiver.close()
+        with pytest.raises(Exception, match="transfer 't2': the KV transfer engine closed"):
+            pending.result(0)
+        # The sender hears of it at once (the receiver's goodbye), not after peer_timeout.
+        with pytest.raises(
+            PeerLost,
+            match="transfer 't2': .*decode replica 'd0' dropped the pair: the KV transfer engine closed",
+        ):
+            half.result(FAST.peer_timeout / 2)
+        saved = 9 * 3 * 2 * 2 * 4 * 2
+        assert sender.stats.peer("d0").bytes_saved == receiver.stats.peer("p0").bytes_saved == saved
     finally:
         sender.close()
         receiver.close()
-    with pytest.raises(Exception, match="transfer 't2': the KV transfer engine closed"):
-        pending.result(0)
     assert receiver.open_transfers() == {"sending": 0, "receiving": 0}
     with pytest.raises(Exception, match="the KV transfer engine is closed"):
         receiver.endpoint()

@@ -165,6 +165,8 @@ class DistSendLink(SendLink):
             while not self._closing:
                 frame: Frame = decode(store.queue_pop(f"kv/{self._nonce}/ack"))
                 if frame.kind == FrameKind.STOP:
+                    if frame.error and not self._closing:  # the receiver's goodbye, not our own STOP
+                        self.on_broken(PeerLost(frame.error))
                     return
                 self.touch()
                 if frame.kind == FrameKind.ACK:
@@ -268,9 +270,11 @@ class TorchDistTransferEngine(KVTransferEngine):
             with push_lock:
                 push.queue_push(ack, encode(frame))
 
-        def wake() -> None:
+        def wake(error: KVTransferError) -> None:
+            bye = Frame(FrameKind.STOP, error=f"decode replica {self.replica_id!r} dropped the pair: {error}")
             with push_lock:
                 push.queue_push(tx, STOP)
+                push.queue_push(ack, encode(bye))
 
         def backlog() -> int:
             with push_lock:

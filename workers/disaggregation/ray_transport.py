@@ -163,7 +163,7 @@ class RayTransferEngine(KVTransferEngine):
                 nonce,
                 h.sender_id,
                 lambda f: inbox.ack.remote(nonce, f.to_dict()),
-                lambda: inbox.drop.remote(nonce),
+                lambda _error: inbox.drop.remote(nonce),
             )
         )
 

@@ -47,7 +47,8 @@ class Connection:
     key: str  # unique per connection (the handshake nonce)
     peer: str  # the sender's replica id
     ack: Callable[[Frame], None]  # send a frame back to the sender (never blocks for long)
-    close: Callable[[], None]  # tear the connection down (the transport's reader exits)
+    # Tear the connection down: the transport's reader exits, the sender learns why.
+    close: Callable[[KVTransferError], None]
     # Frames waiting for this side's reader: a silent sender with a backlog is alive, and the
     # reader is the one lagging (a starved process); None where the transport cannot tell.
     backlog: Callable[[], int] | None = None
@@ -108,7 +109,7 @@ class KVReceiver:
             return
         for h in handles:
             h.fail(about(error, h.transfer_id))
-        conn.close()
+        conn.close(error)
 
     def on_frame(self, key: str, frame: Frame, read_payload: Callable[[Piece], torch.Tensor]) -> None:
         conn = self._conns.get(key)
