@@ -165,8 +165,8 @@ def test_cancel_on_either_side_keeps_the_connection(pair):
     src2, dst2, t2 = ray.get(p0.alloc.remote(8)), ray.get(d0.alloc.remote(8)), tid()
     ray.get(p0.start.remote(ray.get(d0.expect.remote(t2, dst2)), src2))
     assert ray.get(p0.cancel.remote(t2))
-    assert ray.get(d0.outcome.remote(t2)).startswith(
-        f"TransferCancelled: transfer {t2!r}: prefill replica 'p0' aborted it"
+    assert ray.get(d0.outcome.remote(t2)) == (
+        f"TransferCancelled: transfer {t2!r}: prefill replica 'p0' aborted it: cancelled by the sender"
     )
     opened = ray.get(p0.stats.remote())["peers"]["d0"]["pairs_opened"]
     src3, dst3, _ = move(p0, d0, 5)

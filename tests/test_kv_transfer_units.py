@@ -17,6 +17,8 @@ from radixserve.workers.disaggregation import (
     KVTicket,
     KVTransferConfig,
     PeerLost,
+    TransferCancelled,
+    TransferTimeout,
     create_kv_transfer_engine,
     model_fingerprint,
     resolve_transport,
@@ -268,3 +270,24 @@ def test_in_process_loopback_and_close_fails_open_transfers():
     with pytest.raises(Exception, match="the KV transfer engine is closed"):
         receiver.endpoint()
     assert kv_threads() <= before
+
+
+def test_sender_deadline_aborts_the_transfer_on_both_sides():
+    send_pool, recv_pool = make_pool(seed=5), make_pool(seed=6)
+    sender = create_kv_transfer_engine("gloo", send_pool, "p0", "m", "f", FAST)
+    receiver = create_kv_transfer_engine("gloo", recv_pool, "d0", "m", "f", FAST)
+    try:
+        recv = receiver.expect("late", recv_pool.alloc(4))
+        send = sender.send(recv.ticket, send_pool.alloc(4), timeout=0.3)
+        send.send_layers(0, 1)  # and never the rest
+        with pytest.raises(TransferTimeout, match=r"transfer 'late' to 'd0': not acknowledged after \d"):
+            send.result(10)
+        with pytest.raises(
+            TransferCancelled,
+            match=r"transfer 'late': prefill replica 'p0' aborted it: transfer 'late' to 'd0': not acknowledged",
+        ):
+            recv.result(10)
+        assert sender.stats.peer("d0").transfers_failed == receiver.stats.peer("p0").transfers_failed == 1
+    finally:
+        sender.close()
+        receiver.close()

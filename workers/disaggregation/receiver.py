@@ -109,7 +109,10 @@ class KVReceiver:
             return
         for h in handles:
             h.fail(about(error, h.transfer_id))
-        conn.close(error)
+        try:
+            conn.close(error)
+        except Exception:  # the link is already gone
+            pass
 
     def on_frame(self, key: str, frame: Frame, read_payload: Callable[[Piece], torch.Tensor]) -> None:
         conn = self._conns.get(key)

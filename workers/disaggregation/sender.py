@@ -80,7 +80,8 @@ class SendPair:
         """End a transfer from this side (cancel, deadline): settle it and tell the receiver."""
         if not self._settle(handle, error):
             return False
-        self.submit(SendOp(handle, Frame(FrameKind.ABORT, handle.transfer_id, error=str(error))))
+        reason = str(error).removeprefix(f"transfer {handle.transfer_id!r}: ")
+        self.submit(SendOp(handle, Frame(FrameKind.ABORT, handle.transfer_id, error=reason)))
         return True
 
     def break_(self, error: KVTransferError) -> None:
@@ -170,9 +171,10 @@ class SendPair:
         tid, kind = op.handle.transfer_id, op.frame.kind
         with self._lock:
             if kind == FrameKind.BEGIN:
-                if op.handle.done():
-                    return False
-                self._live[tid] = op.handle
+                # Sent even for a transfer abandoned while queued: the receiver then hears of
+                # it through the ABORT queued behind, instead of waiting out its deadline.
+                if not op.handle.done():
+                    self._live[tid] = op.handle
                 self._open.add(tid)
                 return True
             if tid not in self._open:
