@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,10 +151,12 @@ class DistSendLink(SendLink):
         )
         self._reader.start()
 
-    def send(self, frame: Frame, payload: torch.Tensor | None) -> None:
+    def send(self, frame: Frame, payload: torch.Tensor | None) -> Callable[[], None] | None:
         self._push(f"kv/{self._nonce}/tx", encode(frame))
-        if payload is not None:
-            timed_wait(self._pg.send([wire(payload)], 1, frame.seq % TAG_SPACE), self._cfg.op_timeout)
+        if payload is None:
+            return None
+        work = self._pg.send([wire(payload)], 1, frame.seq % TAG_SPACE)
+        return lambda: timed_wait(work, self._cfg.op_timeout)
 
     def heartbeat(self) -> None:
         self._push(f"kv/{self._nonce}/tx", encode(Frame(FrameKind.HEARTBEAT)))

@@ -29,9 +29,10 @@ class SendLink(ABC):
         the data plane. Blocking; called once, on the pair's thread."""
 
     @abstractmethod
-    def send(self, frame: Frame, payload: torch.Tensor | None) -> None:
-        """Send one ordered frame and, for DATA, its payload. Blocks until the payload has left this
-        replica's buffer (so the buffer may be reused), at most the op timeout."""
+    def send(self, frame: Frame, payload: torch.Tensor | None) -> Callable[[], None] | None:
+        """Send one ordered frame and, for DATA, start sending its payload. Returns None when the
+        payload's buffer is free again already, else a wait that blocks until it is (at most the
+        op timeout, raising past it). The caller keeps the buffer untouched until then."""
 
     @abstractmethod
     def heartbeat(self) -> None:

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from radixserve.workers.disaggregation.config import KVTransferConfig
@@ -30,6 +31,9 @@ from radixserve.workers.disaggregation.stats import TransferStats
 from radixserve.workers.disaggregation.transfer import SendHandle, SendOp
 
 logger = logging.getLogger(__name__)
+
+# Payloads of one pair on the wire at once (each holds a staging buffer of up to max_message_bytes).
+SEND_WINDOW = 2
 
 LinkFactory = Callable[[KVEndpoint, Callable[[Frame], None], Callable[[BaseException], None]], SendLink]
 
@@ -189,21 +193,37 @@ class SendPair:
             return True
 
     def _pump(self) -> None:
-        staging = StagingBuffer(self._view)
+        """Send queued ops in order, with up to SEND_WINDOW payloads in flight: the next payload
+        is gathered and posted while the previous one is still on the wire."""
+        staging = [StagingBuffer(self._view) for _ in range(SEND_WINDOW)]
+        inflight: deque[Callable[[], None]] = deque()
+        turn = 0
         while True:
-            op = self._queue.get()
+            if inflight:
+                try:
+                    op = self._queue.get_nowait()
+                except queue.Empty:  # idle: finish what is on the wire before blocking
+                    inflight.popleft()()
+                    continue
+            else:
+                op = self._queue.get()
             if op is None or self._broken is not None:
                 return
             if not self._admit(op):
                 continue
             payload = None
             if op.piece is not None:
+                if len(inflight) == SEND_WINDOW:  # the oldest buffer is the one to reuse
+                    inflight.popleft()()
                 if op.ready is not None:
                     op.ready.wait()
-                payload = self._view.gather(op.handle.src, op.piece, staging.payload(op.piece))
+                payload = self._view.gather(op.handle.src, op.piece, staging[turn].payload(op.piece))
+                turn = (turn + 1) % SEND_WINDOW
             op.frame.seq = self._seq
             self._seq += 1
-            self.link.send(op.frame, payload)
+            wait = self.link.send(op.frame, payload)
+            if wait is not None:
+                inflight.append(wait)
             if op.piece is not None:
                 self._stats.count(self.peer, bytes_sent=self._view.payload_bytes(op.piece), payloads_sent=1)
 
