@@ -291,3 +291,27 @@ def test_sender_deadline_aborts_the_transfer_on_both_sides():
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize(
+    ("heads", "dim", "dtype", "row_dtype"),
+    [
+        (2, 4, torch.bfloat16, torch.int64),
+        (1, 3, torch.bfloat16, torch.int16),
+        (1, 3, torch.float32, torch.int32),
+    ],
+)
+def test_rows_move_as_the_widest_integer_that_divides_them(heads, dim, dtype, row_dtype):
+    pools = [KVPool(2, heads, dim, num_slots=16, dtype=dtype) for _ in range(2)]
+    for i, pool in enumerate(pools):
+        for buf in pool.k_buffers + pool.v_buffers:
+            buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(i)))
+    src_view, dst_view = PoolView(pools[0]), PoolView(pools[1])
+    assert src_view.row_dtype == row_dtype
+    src, dst = src_view.slot_index([3, 1, 7]), dst_view.slot_index([9, 10, 2])
+    piece = Piece(0, 2, 0, 3)
+    payload = src_view.gather(src, piece, torch.empty(src_view.payload_shape(piece), dtype=dtype))
+    dst_view.scatter(dst, piece, payload)
+    for layer in range(2):
+        assert torch.equal(pools[1].k_buffers[layer][dst], pools[0].k_buffers[layer][src])
+        assert torch.equal(pools[1].v_buffers[layer][dst], pools[0].v_buffers[layer][src])

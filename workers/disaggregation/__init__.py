@@ -18,14 +18,17 @@ Both gather from the sender's pool (index_select over its slot list) into one co
 and scatter into the receiver's slots (index_copy_); a handshake (spec.py) refuses a peer with a
 different model, dtype, page size, head layout or transport, naming each field.
 
-Why not Mooncake's transfer engine or NIXL: both are built for RDMA (InfiniBand/RoCE verbs,
-GPUDirect RDMA into registered GPU memory, multi-NIC striping, topology-aware paths) and reach
-near line rate without a CPU copy, but they need RDMA NICs or UCX, memory registration of the
-KV pool, and native libraries built for the machine; without RDMA they fall back to TCP, which
-is what torch.distributed's gloo already gives here with no extra dependency. On the CPU nodes
-this runs on, the copy into a staging buffer costs far less than the wire; on GPU nodes NCCL
-moves device memory directly (over NVLink or GPUDirect RDMA when present). The engine interface
-(`KVTransferEngine`: `_listen` / `_open_link`) leaves room for an RDMA transport later.
+Why not Mooncake's transfer engine or NIXL: both are built for RDMA (InfiniBand / RoCE verbs,
+GPUDirect RDMA into registered GPU memory, multi-NIC striping, topology-aware NIC choice) and
+write straight into the peer's registered memory with no staging copy. Both also run here, on
+TCP (Mooncake, whose wheel still needs the system's libibverbs) or UCX (NIXL, whose wheel pulls a
+CUDA build of torch unless installed without dependencies), at the same order of throughput as
+gloo on one CPU host, where they buy nothing: the win needs RDMA NICs. They also bring native
+wheels, a metadata service (etcd, HTTP or their own handshake) and pool-wide memory
+registration. torch.distributed is already here, speaks NCCL (NVLink, GPUDirect RDMA) on GPU
+nodes with the same code, and on CPUs the staging copies cost less than the wire (for 1k tokens
+of SmolLM2's KV, about 3 ms gather + 6 ms scatter against about 20 ms on loopback gloo). An RDMA
+transport can be added later as one more `KVTransferEngine` (`_listen` / `_open_link`).
 """
 
 from __future__ import annotations

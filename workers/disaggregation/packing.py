@@ -15,6 +15,8 @@ import torch
 
 from radixserve.workers.mem_cache.kv_pool import KVPool
 
+_ROW_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -44,8 +46,15 @@ class PoolView:
         self.dtype = pool.dtype
         self.device = pool.k_buffers[0].device
         elem = torch.empty((), dtype=self.dtype).element_size()
+        row_bytes = self.num_kv_heads * self.head_dim * elem
         # K and V of one token in one layer.
-        self.token_layer_bytes = 2 * self.num_kv_heads * self.head_dim * elem
+        self.token_layer_bytes = 2 * row_bytes
+        # Rows move as the widest integer that divides them: index_copy_ over int64 rows beats
+        # it over bfloat16 elements (about 5.6 vs 7.5 ms for 1k tokens x 30 layers of SmolLM2's
+        # KV on one thread here); index_select is the same either way.
+        self.row_dtype = next(d for n, d in _ROW_DTYPES if row_bytes % n == 0)
+        self._k_rows = [self._rows(b) for b in pool.k_buffers]
+        self._v_rows = [self._rows(b) for b in pool.v_buffers]
 
     def payload_shape(self, piece: Piece) -> tuple[int, ...]:
         return (piece.num_layers, 2, piece.num_tokens, self.num_kv_heads, self.head_dim)
@@ -68,16 +77,20 @@ class PoolView:
         """Copy `piece` of the transfer whose slots are `slots` into `out` (payload-shaped)."""
         idx = slots[piece.token_begin : piece.token_end]
         for i, layer in enumerate(range(piece.layer_begin, piece.layer_end)):
-            torch.index_select(self.pool.k_buffers[layer], 0, idx, out=out[i, 0])
-            torch.index_select(self.pool.v_buffers[layer], 0, idx, out=out[i, 1])
+            torch.index_select(self._k_rows[layer], 0, idx, out=self._rows(out[i, 0]))
+            torch.index_select(self._v_rows[layer], 0, idx, out=self._rows(out[i, 1]))
         return out
 
     def scatter(self, slots: torch.Tensor, piece: Piece, payload: torch.Tensor) -> None:
         """Write a payload into the slots of `piece`; the inverse of `gather`."""
         idx = slots[piece.token_begin : piece.token_end]
         for i, layer in enumerate(range(piece.layer_begin, piece.layer_end)):
-            self.pool.k_buffers[layer].index_copy_(0, idx, payload[i, 0])
-            self.pool.v_buffers[layer].index_copy_(0, idx, payload[i, 1])
+            self._k_rows[layer].index_copy_(0, idx, self._rows(payload[i, 0]))
+            self._v_rows[layer].index_copy_(0, idx, self._rows(payload[i, 1]))
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous [tokens, heads, dim] tensor as one integer row per token."""
+        return t.view(t.shape[0], -1).view(self.row_dtype)
 
     def split(self, piece: Piece, max_bytes: int) -> Iterator[Piece]:
         """`piece` cut into payloads of at most `max_bytes` (at least one token of one layer each):
