@@ -239,9 +239,12 @@ def test_in_process_loopback_and_close_fails_open_transfers():
         with pytest.raises(ValueError, match="transfer 't1' is already expected"):
             receiver.expect("t1", dst)
         send = sender.send(recv.ticket, src)
+        with pytest.raises(ValueError, match="transfer 't1' is already being sent"):
+            sender.send(recv.ticket, src)
         send.send_all()
         send.finish().result(30)
         recv.result(30)
+        assert recv.progress() == [9, 9, 9]
         for layer in range(3):
             assert torch.equal(recv_pool.k_buffers[layer][dst], send_pool.k_buffers[layer][src])
             assert torch.equal(recv_pool.v_buffers[layer][dst], send_pool.v_buffers[layer][src])

@@ -218,6 +218,11 @@ class RecvHandle:
     def began(self) -> bool:
         return self.peer_key is not None
 
+    def progress(self) -> list[int]:
+        """Tokens in place so far, per layer (layers arrive and are written one payload at a time)."""
+        with self._lock:
+            return list(self._coverage.next)
+
     def begin(self, peer_key: str, peer: str, frame: Frame, digest: str) -> str:
         """Bind the transfer to the connection that announced it; '' or why it is refused."""
         with self._lock:
