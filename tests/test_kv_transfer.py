@@ -25,6 +25,9 @@ from tests.kv_transfer_utils import (
     wait_for,
 )
 
+# Each module brings up a local Ray instance and several actor processes (about a minute).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def cluster():
