@@ -10,8 +10,9 @@ Two Ray actors (separate processes, one machine) hold a KV pool each, shaped lik
           ("layers"), timed on the sender from `send` to the receiver's ACK (so gather, wire,
           scatter and one ACK round trip are all inside);
   raw     the same bytes as pre-packed contiguous tensors, as one message ("whole") or one per
-          layer ("layers"), over a 2-rank gloo group built exactly as the engine builds its
-          pair's group (make_process_group), timed from the first send to a 1-byte ACK back.
+          layer ("layers", all posted at once, every receive pre-posted), over a 2-rank gloo
+          group built exactly as the engine builds its pair's group (make_process_group), timed
+          from the first send to a 1-byte ACK back.
 Each cell is run --repeats times, alternating raw and engine; best and median are reported.
 """
 
@@ -39,11 +40,11 @@ LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 30, 3, 64, torch.bfloat16
 class Node:
     """One replica's pool plus, for the baseline, one end of a raw gloo group."""
 
-    def __init__(self, replica_id: str, transport: str, max_tokens: int):
+    def __init__(self, replica_id: str, transport: str, max_tokens: int, max_message_bytes: int):
         self.pool = KVPool(LAYERS, KV_HEADS, HEAD_DIM, num_slots=max_tokens, dtype=DTYPE)
         for buf in self.pool.k_buffers + self.pool.v_buffers:
             buf.normal_()
-        cfg = KVTransferConfig(op_timeout=120, transfer_timeout=300)
+        cfg = KVTransferConfig(op_timeout=120, transfer_timeout=300, max_message_bytes=max_message_bytes)
         self.engine = create_kv_transfer_engine(transport, self.pool, replica_id, "bench", "bench", cfg)
         self.handles: dict[str, Any] = {}
         self.store: dist.TCPStore | None = None
@@ -85,16 +86,17 @@ class Node:
 
     def raw_recv(self, nbytes: int, messages: int) -> None:
         bufs = [torch.empty(nbytes // messages, dtype=torch.uint8) for _ in range(messages)]
-        for i, buf in enumerate(bufs):
-            self.pg.recv([buf], 0, i).wait()
+        for work in [self.pg.recv([buf], 0, i) for i, buf in enumerate(bufs)]:
+            work.wait()
         self.pg.send([torch.ones(1, dtype=torch.uint8)], 0, messages).wait()
 
     def raw_send(self, nbytes: int, messages: int) -> float:
+        """Every message posted at once (the receiver pre-posts every receive): the wire's best."""
         bufs = [torch.ones(nbytes // messages, dtype=torch.uint8) for _ in range(messages)]
         ack = torch.empty(1, dtype=torch.uint8)
         start = time.perf_counter()
-        for i, buf in enumerate(bufs):
-            self.pg.send([buf], 1, i).wait()
+        for work in [self.pg.send([buf], 1, i) for i, buf in enumerate(bufs)]:
+            work.wait()
         self.pg.recv([ack], 1, messages).wait()
         return time.perf_counter() - start
 
@@ -131,10 +133,12 @@ def summary(times: list[float], nbytes: int) -> dict[str, float]:
     }
 
 
-def bench(transport: str, tokens: list[int], repeats: int, with_raw: bool) -> list[dict[str, Any]]:
+def bench(
+    transport: str, tokens: list[int], repeats: int, with_raw: bool, max_message_bytes: int
+) -> list[dict[str, Any]]:
     node = ray.remote(num_cpus=0, max_concurrency=4)(Node)
-    sender = node.remote("prefill-0", transport, max(tokens) + 16)
-    receiver = node.remote("decode-0", transport, max(tokens) + 16)
+    sender = node.remote("prefill-0", transport, max(tokens) + 16, max_message_bytes)
+    receiver = node.remote("decode-0", transport, max(tokens) + 16, max_message_bytes)
     if with_raw:
         port = ray.get(receiver.raw_host.remote())
         ray.get([receiver.raw_join.remote(port, 1), sender.raw_join.remote(port, 0)])
@@ -195,13 +199,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--transports", nargs="+", default=["gloo", "ray"], choices=["gloo", "ray"])
+    ap.add_argument("--max-message-mib", type=float, default=KVTransferConfig.max_message_bytes / 2**20)
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rows = []
         for transport in args.transports:
-            rows += bench(transport, args.tokens, args.repeats, with_raw=transport == "gloo")
+            max_bytes = int(args.max_message_mib * 2**20)
+            rows += bench(transport, args.tokens, args.repeats, transport == "gloo", max_bytes)
     finally:
         ray.shutdown()
     print_table(rows)

@@ -73,8 +73,9 @@ def test_received_kv_equals_sent_kv(pair, dtype, page_size, mode):
     sent = ray.get(p0.stats.remote(name))["total"]
     assert sent["bytes_sent"] - sent0["bytes_sent"] == 37 * LAYERS * token_layer_bytes(dtype)
     assert sent["transfers_sent"] - sent0["transfers_sent"] == 1
-    payloads = {"all": 1, "layers": LAYERS, "chunks": 3 * LAYERS}[mode]
-    assert sent["payloads_sent"] - sent0["payloads_sent"] == payloads
+    # Layers queued faster than the pair sends them merge into fewer payloads (never across chunks).
+    fewest, most = {"all": (1, 1), "layers": (1, LAYERS), "chunks": (3, 3 * LAYERS)}[mode]
+    assert fewest <= sent["payloads_sent"] - sent0["payloads_sent"] <= most
     free(p0, d0, src, dst, name)
 
 

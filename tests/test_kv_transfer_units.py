@@ -33,6 +33,7 @@ from radixserve.workers.disaggregation.messages import (
     slots_digest,
 )
 from radixserve.workers.disaggregation.packing import Piece, PoolView
+from radixserve.workers.disaggregation.send_pair import NOTHING, coalesce
 from radixserve.workers.disaggregation.spec import check_peer
 from radixserve.workers.disaggregation.transfer import SendHandle
 from radixserve.workers.mem_cache.kv_pool import KVPool
@@ -190,6 +191,32 @@ def test_send_order_per_layer_and_send_all_sends_the_rest():
         handle.send_layers(0, 1, 0, 1)
     with pytest.raises(ValueError, match=r"layers \[2, 4\) outside \[0, 3\)"):
         make_handle()[0].send_layers(2, 4)
+
+
+def test_coalesce_merges_the_next_layers_of_the_same_tokens_up_to_the_size_limit():
+    handle, ops = make_handle(num_tokens=10, layers=3)
+    other, other_ops = make_handle(num_tokens=10, layers=3)
+    for layer in range(3):
+        handle.send_layers(layer, layer + 1, 0, 4)
+    handle.send_layers(0, 1, 4, 10)  # the next chunk: other tokens, never merged with the first
+    other.send_layers(0, 3)
+    view = handle.view
+    layer_bytes = view.payload_bytes(Piece(0, 1, 0, 4))
+
+    def take_from(queued):
+        it = iter(queued)
+        return lambda: next(it, NOTHING)
+
+    merged, rest = coalesce(ops[0], take_from(ops[1:]), view, 1 << 20)
+    assert merged.piece == Piece(0, 3, 0, 4) and rest is ops[3]
+    assert (merged.frame.kind, merged.frame.layer_begin, merged.frame.layer_end) == (FrameKind.DATA, 0, 3)
+    assert (merged.frame.token_begin, merged.frame.token_end) == (0, 4)
+    merged, rest = coalesce(ops[0], take_from(ops[1:]), view, 2 * layer_bytes)
+    assert merged.piece == Piece(0, 2, 0, 4) and rest is ops[2]
+    merged, rest = coalesce(ops[2], take_from([other_ops[0]]), view, 1 << 20)
+    assert merged is ops[2] and rest is other_ops[0]
+    merged, rest = coalesce(ops[3], take_from([]), view, 1 << 20)
+    assert merged is ops[3] and rest is NOTHING
 
 
 def test_cancel_settles_once_and_later_sends_are_no_ops():

@@ -18,7 +18,7 @@ class KVTransferConfig:
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0
     # Largest payload: a whole-request send is cut into payloads of at most this size. A pair's
-    # sender stages two payloads at once and its receiver one, so this bounds their memory.
+    # sender and its receiver each stage two payloads at once, so this bounds their memory.
     max_message_bytes: int = 32 << 20
     # The address peers reach this replica at (its TCPStore and gloo device); None = the Ray
     # node address when Ray is up, else 127.0.0.1.

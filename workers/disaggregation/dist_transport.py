@@ -24,14 +24,12 @@ from radixserve.workers.disaggregation.dist_link import (
     HELLO_QUEUE,
     IDLE_WAIT,
     STOP,
-    TAG_SPACE,
     DistSendLink,
     default_host,
     make_process_group,
     release_group,
-    timed_wait,
-    wire,
 )
+from radixserve.workers.disaggregation.dist_stream import FrameStream
 from radixserve.workers.disaggregation.engine import KVTransferEngine
 from radixserve.workers.disaggregation.errors import HandshakeMismatch, KVTransferError, PeerLost
 from radixserve.workers.disaggregation.link import SendLink
@@ -44,7 +42,6 @@ from radixserve.workers.disaggregation.messages import (
     decode,
     encode,
 )
-from radixserve.workers.disaggregation.packing import Piece, StagingBuffer
 from radixserve.workers.disaggregation.receiver import Connection
 from radixserve.workers.disaggregation.spec import KVSpec, check_peer, spec_mismatches
 from radixserve.workers.mem_cache.kv_pool import KVPool
@@ -165,25 +162,16 @@ class TorchDistTransferEngine(KVTransferEngine):
             with push_lock:
                 return push.queue_len(tx)
 
-        staging = StagingBuffer(self.view)
-
-        def read_payload(seq: int) -> Callable[[Piece], torch.Tensor]:
-            def read(piece: Piece) -> torch.Tensor:
-                buf = staging.payload(piece)
-                timed_wait(pg.recv([wire(buf)], 0, seq % TAG_SPACE), self.config.op_timeout)
-                return buf
-
-            return read
-
         self._receiver.connected(Connection(hello.nonce, hello.sender_id, send_back, wake, backlog))
         store.set_timeout(IDLE_WAIT)
+        stream = FrameStream(store, tx, pg, self.view, self.config.op_timeout)
         error: KVTransferError = PeerLost(f"connection of prefill replica {hello.sender_id!r} closed")
         try:
             while not self._closed.is_set():
-                frame: Frame = decode(store.queue_pop(tx))
+                frame = stream.next()
                 if frame.kind == FrameKind.STOP:
                     break
-                self._receiver.on_frame(hello.nonce, frame, read_payload(frame.seq))
+                self._receiver.on_frame(hello.nonce, frame, stream.reader(frame))
         except KVTransferError as exc:
             error = exc
         except Exception as exc:  # a transport error ends the connection

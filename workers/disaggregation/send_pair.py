@@ -7,6 +7,7 @@ every transfer it carries with the pair's error and leaves its sender's map.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -23,7 +24,7 @@ from radixserve.workers.disaggregation.errors import (
 )
 from radixserve.workers.disaggregation.link import SendLink
 from radixserve.workers.disaggregation.messages import Frame, FrameKind, KVEndpoint
-from radixserve.workers.disaggregation.packing import PoolView, StagingBuffer
+from radixserve.workers.disaggregation.packing import Piece, PoolView, StagingBuffer
 from radixserve.workers.disaggregation.stats import TransferStats
 from radixserve.workers.disaggregation.transfer import SendHandle, SendOp
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # Payloads of one pair on the wire at once (each holds a staging buffer of up to max_message_bytes).
 SEND_WINDOW = 2
+
+NOTHING = object()  # an empty queue, or no op carried over from coalescing
 
 LinkFactory = Callable[[KVEndpoint, Callable[[Frame], None], Callable[[BaseException], None]], SendLink]
 
@@ -195,8 +198,12 @@ class SendPair:
         staging = [StagingBuffer(self._view) for _ in range(SEND_WINDOW)]
         inflight: deque[Callable[[], None]] = deque()
         turn = 0
+        carry: object = NOTHING
         while True:
-            if inflight:
+            op: object
+            if carry is not NOTHING:
+                op, carry = carry, NOTHING
+            elif inflight:
                 try:
                     op = self._queue.get_nowait()
                 except queue.Empty:  # idle: finish what is on the wire before blocking
@@ -204,25 +211,33 @@ class SendPair:
                     continue
             else:
                 op = self._queue.get()
-            if op is None or self._broken is not None:
+            if not isinstance(op, SendOp) or self._broken is not None:
                 return
             if not self._admit(op):
                 continue
             payload = None
             if op.piece is not None:
+                op, carry = coalesce(op, self._next_nowait, self._view, self._config.max_message_bytes)
+                piece = op.piece
+                assert piece is not None
                 if len(inflight) == SEND_WINDOW:  # the oldest buffer is the one to reuse
                     inflight.popleft()()
-                if op.ready is not None:
-                    op.ready.wait()
-                payload = self._view.gather(op.handle.src, op.piece, staging[turn].payload(op.piece))
+                for event in op.ready:
+                    event.wait()
+                payload = self._view.gather(op.handle.src, piece, staging[turn].payload(piece))
                 turn = (turn + 1) % SEND_WINDOW
+                self._stats.count(self.peer, bytes_sent=self._view.payload_bytes(piece), payloads_sent=1)
             op.frame.seq = self._seq
             self._seq += 1
             wait = self.link.send(op.frame, payload)
             if wait is not None:
                 inflight.append(wait)
-            if op.piece is not None:
-                self._stats.count(self.peer, bytes_sent=self._view.payload_bytes(op.piece), payloads_sent=1)
+
+    def _next_nowait(self) -> object:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return NOTHING
 
     def _drain(self) -> None:
         while True:
@@ -232,3 +247,30 @@ class SendPair:
                 return
             if op is not None:
                 self._settle(op.handle, about(self._broken or PeerLost("pair closed"), op.handle.transfer_id))
+
+
+def coalesce(op: SendOp, take: Callable[[], object], view: PoolView, max_bytes: int) -> tuple[SendOp, object]:
+    """Merge into DATA `op` the ops that `take` yields while they continue it (same transfer, same
+    tokens, the next layers) and fit in `max_bytes` together: when the forward writes layers
+    faster than the pair sends them, the backlog goes as fewer, larger payloads. Returns the merged
+    op and the first op taken that did not merge (NOTHING once `take` ran dry)."""
+    piece, ready = op.piece, op.ready
+    assert piece is not None
+    while True:
+        nxt = take()
+        if not isinstance(nxt, SendOp) or nxt.handle is not op.handle or nxt.piece is None:
+            break
+        p = nxt.piece
+        if (p.token_begin, p.token_end, p.layer_begin) != (
+            piece.token_begin,
+            piece.token_end,
+            piece.layer_end,
+        ):
+            break
+        if view.payload_bytes(piece) + view.payload_bytes(p) > max_bytes:
+            break
+        piece = Piece(piece.layer_begin, p.layer_end, piece.token_begin, piece.token_end)
+        ready += nxt.ready
+    if piece == op.piece:
+        return op, nxt
+    return SendOp(op.handle, dataclasses.replace(op.frame, layer_end=piece.layer_end), piece, ready), nxt

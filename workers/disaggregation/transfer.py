@@ -73,7 +73,7 @@ class SendOp:
     handle: SendHandle
     frame: Frame
     piece: Piece | None = None
-    ready: torch.cuda.Event | None = None  # the compute that wrote the piece's KV, on CUDA pools
+    ready: tuple[torch.cuda.Event, ...] = ()  # the compute that wrote the piece's KV, on CUDA pools
 
 
 class SendHandle:
@@ -135,10 +135,10 @@ class SendHandle:
             self._coverage.add(piece)
             if self._outcome.done():
                 return
-            ready = None
+            ready: tuple[torch.cuda.Event, ...] = ()
             if self.view.device.type == "cuda":
-                ready = torch.cuda.Event()
-                ready.record()
+                ready = (torch.cuda.Event(),)
+                ready[0].record()
             for part in self.view.split(piece, self._max_bytes):
                 frame = Frame(
                     FrameKind.DATA,
