@@ -134,7 +134,7 @@ def from_exception(exc: BaseException, request_id: str) -> APIError:
     if isinstance(exc, QueueFull):
         return queue_full(str(exc))
     if isinstance(exc, ValidationError):
-        return from_validation_errors(exc.errors())
+        return from_validation_errors([dict(e) for e in exc.errors()])
     if isinstance(exc, ClientDisconnect):  # nobody reads this answer; nothing failed here
         return bad_request("The client disconnected before its request was read.", code="client_disconnected")
     logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)

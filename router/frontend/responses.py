@@ -94,7 +94,8 @@ class Sequences:
             seq.logprobs.extend(chunk.logprobs)
         if chunk.finished:
             reason = chunk.finish_reason or {"type": "stop"}
-            seq.finish_reason = FINISH_REASONS.get(reason.get("type"), reason.get("type"))
+            kind = str(reason.get("type"))
+            seq.finish_reason = FINISH_REASONS.get(kind, kind)
             seq.matched_stop = reason.get("matched")
             # Every sequence of a request reports the same prompt; count it once (OpenAI does).
             self._prompt_usage[prompt] = (chunk.prompt_tokens, chunk.cached_tokens)

@@ -63,7 +63,7 @@ class Tokenizer:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is out of range [0, {self.vocab_size})", "tokens")
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return self.chat.render(messages, add_generation_prompt)
@@ -81,7 +81,7 @@ class Tokenizer:
 
     def _token_text(self, token_id: int) -> str:
         """One token as text on its own (OpenAI's `token`); may hold a partial UTF-8 sequence."""
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        return str(self.hf.decode([token_id], skip_special_tokens=False))
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's raw bytes (OpenAI's `bytes`), exact even for a partial UTF-8 character."""

@@ -151,7 +151,7 @@ class CompileWorker:
         (it died, e.g. out of memory, or was stopped by `kill` / `close`)."""
         process, conn = self._process, self._conn
         try:
-            if not self._ready:
+            if not self._ready or conn is None:
                 raise OSError("not started")
             conn.send(job)
             if conn.poll(timeout_s):

@@ -119,7 +119,7 @@ class GrammarBackend:
         self._pending: collections.deque[_Job] = collections.deque()
         self._running = 0
         self._closed = False
-        self._counts = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
         self._workers = [CompileWorker(setup) for _ in range(max_workers)]
         self._drivers = [
             threading.Thread(target=self._drive, args=(w,), name="grammar-compile", daemon=True)

@@ -134,6 +134,7 @@ class RadixCache(PrefixCache):
         )
         top.lock_ref = child.lock_ref
         top.children[self._child_key(child.key, n)] = child
+        assert child.parent is not None  # only edges below a node are split
         child.parent.children[self._child_key(child.key, 0)] = top
         child.key, child.value, child.parent = child.key[n:], child.value[n:], top
         self._num_nodes += 1
@@ -268,6 +269,7 @@ class RadixCache(PrefixCache):
 
     def _detach(self, node: _Node) -> None:
         parent = node.parent
+        assert parent is not None  # only attached leaves are evicted
         del parent.children[self._child_key(node.key, 0)]
         node.parent = None
         self._num_nodes -= 1

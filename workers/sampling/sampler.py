@@ -274,11 +274,12 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """x, raw: processed and raw logits of the sampled rows -> sampled token per row."""
+        assert batch.temperatures is not None  # prepared for every batch with sampled rows
         s = (x / batch.temperatures).nan_to_num(nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
-        if batch.top_k_rows is not None:
+        if batch.top_k_rows is not None and batch.top_k is not None:
             kept = keep_top_k(s.index_select(0, batch.top_k_rows), batch.top_k, batch.top_k_max)
             s.index_copy_(0, batch.top_k_rows, kept)
-        if batch.sort_rows is not None:
+        if batch.sort_rows is not None and batch.sort_top_k is not None and batch.sort_top_p is not None:
             kept = keep_top_k_top_p(
                 s.index_select(0, batch.sort_rows), batch.sort_top_k, batch.sort_top_p, batch.sort_candidates
             )
