@@ -189,9 +189,18 @@ grep -E "head_ip|ssh_|ray start" "$CONFIG"
 cd "$REPO"
 step "ray up -y $CONFIG"
 t0=$(date +%s)
-# README: ray up -y deploy/cluster.yaml
-timeout 900 "$RAY" up -y --no-config-cache "$CONFIG" 2>&1 \
-  | grep --line-buffered -v "is ignored: it is neither a file nor a directory" || fail "ray up"
+ray_up() {
+  # README: ray up -y deploy/cluster.yaml
+  timeout 900 "$RAY" up -y --no-config-cache "$CONFIG" 2>&1 \
+    | grep --line-buffered -v "is ignored: it is neither a file nor a directory"
+}
+if ! ray_up; then
+  # Seen once in several runs on a busy machine: the head's raylet missed Ray's start-up deadline.
+  echo "ray up failed; the head's Ray logs:"
+  tail -n 15 "$RUN"/ray/session_latest/logs/{gcs_server,raylet}.out 2>/dev/null
+  step "ray up again (it is idempotent: an operator's first move after a failed start)"
+  ray_up || fail "ray up"
+fi
 echo "ray up took $(( $(date +%s) - t0 ))s"
 on_head() {  # a command on the head, as `ray exec` runs it (a login shell over SSH)
   local rc=0
