@@ -3,6 +3,16 @@
 On Ctrl-C or SIGTERM the application is torn down: Serve stops its replicas (their engines abort
 what is in flight and release their KV), and, when this command started Ray itself, the local Ray
 instance goes with it, so no process is left behind.
+
+A Ray started here serves this machine only, so it listens on loopback only: its node IP is
+127.0.0.1 (Ray's single-machine mode, the one it uses on macOS and Windows), which puts GCS, the
+raylet, every worker's gRPC server, the dashboard agent, the runtime-env agent and the metrics
+ports (autoscaler, dashboard, `--ray-metrics-export-port`) on 127.0.0.1; the dashboard itself is
+not started. Serve's HTTP proxy binds `--host` (127.0.0.1 unless told otherwise). One kind of
+socket cannot follow: every Serve replica's inter-deployment gRPC server, which Ray Serve binds to
+`[::]:0` unconditionally (ray/serve/_private/replica.py). It is why this Ray runs with token
+authentication (RAY_AUTH_MODE=token unless the environment says otherwise; Ray keeps the token
+in ~/.ray/auth_token): that server, like every Ray server, then refuses callers without it.
 """
 
 from __future__ import annotations
@@ -13,11 +23,17 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from radixserve.cluster.config import ServerArgs, parse_cli
 from radixserve.router.frontend.proxy import proxy_environment
 
 logger = logging.getLogger("radixserve")
+
+# Read by Ray when it is imported (ray._private.ray_constants.ENABLE_RAY_CLUSTER): "0" makes a new
+# local instance take 127.0.0.1 as its node IP, and Ray's servers bind the node IP.
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 USAGE = """usage: radixserve serve [flags]   (radixserve serve --help lists them)
 
@@ -35,21 +51,45 @@ def _on_signal(signum: int, frame: object) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
+def ray_init_kwargs(args: ServerArgs, address: str | None) -> dict[str, Any]:
+    """`ray.init` options: join `address`, or (None) start a loopback-only instance of our own,
+    never one that another `ray start` on this machine recorded as its "current cluster"."""
+    kwargs: dict[str, Any] = {
+        "address": address or "local",
+        "include_dashboard": False,
+        "logging_level": args.http.log_level.upper(),
+        "configure_logging": True,
+    }
+    if address is None and args.deployment.ray_metrics_export_port is not None:
+        kwargs["_metrics_export_port"] = args.deployment.ray_metrics_export_port
+    return kwargs
+
+
+def _loopback_only() -> None:
+    os.environ[SINGLE_MACHINE_ENV] = "0"  # for the processes Ray starts
+    os.environ.setdefault(AUTH_MODE_ENV, "token")
+    if "ray" in sys.modules:  # this process read the constant when it imported Ray
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def serve_forever(args: ServerArgs) -> int:
+    address = args.deployment.ray_address or os.environ.get("RAY_ADDRESS")
+    if address is None:
+        _loopback_only()
     import ray
     from ray import serve
 
     from radixserve.cluster.app import build
 
-    address = args.deployment.ray_address or os.environ.get("RAY_ADDRESS")
-    level = args.http.log_level.upper()
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     started_ray = False
     # Serve's proxy reads its limits from the environment Ray starts its workers with.
     os.environ.update(proxy_environment(args.http))
     try:
-        ray.init(address=address, include_dashboard=False, logging_level=level, configure_logging=True)
+        ray.init(**ray_init_kwargs(args, address))
         # Ray's core worker installs its own SIGTERM handler (it aborts); ours must win.
         signal.signal(signal.SIGINT, _on_signal)
         signal.signal(signal.SIGTERM, _on_signal)

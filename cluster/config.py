@@ -34,6 +34,7 @@ class DeploymentConfig:
     max_ongoing_requests: int = 4096
     app_name: str = "radixserve"
     ray_address: str | None = None  # None: RAY_ADDRESS or a new local instance
+    ray_metrics_export_port: int | None = None  # a Ray this command starts: its metrics port
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -44,6 +45,10 @@ class DeploymentConfig:
             raise ValueError("max_ongoing_requests must be >= 1")
         if (self.replica_num_cpus is not None and self.replica_num_cpus < 0) or self.ingress_num_cpus < 0:
             raise ValueError("num_cpus must be >= 0")
+        if self.ray_metrics_export_port is not None and not 0 < self.ray_metrics_export_port < 65536:
+            raise ValueError(
+                f"ray_metrics_export_port must be in 1..65535, got {self.ray_metrics_export_port}"
+            )
 
 
 _POLICY = PolicyConfig()  # the policy knobs' defaults live there
@@ -176,6 +181,8 @@ HELP = {
     "node's CPUs split among the replicas it must hold)",
     "log_level": " | ".join(LOG_LEVELS),
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
+    "ray_metrics_export_port": "port of Ray's Prometheus metrics (Serve's replicas, queues, autoscaling) "
+    "when this command starts Ray (on 127.0.0.1; default: a free port)",
     "router_policy": f"replica choice: {' | '.join(POLICY_NAMES)} (default: cache_aware if dp > 1)",
     "cache_threshold": "cache_aware: prefix match rate above which the matching replica wins",
     "min_match_tokens": "cache_aware: ... and prefix match length (tokens) below which a match "

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from radixserve.router.frontend.config import IngressConfig
@@ -32,6 +33,9 @@ CONTROL_TIMEOUT_S = 30.0
 # Token budget of one replica's prefix report (sum of its paths' lengths): enough for pools of
 # tens of thousands of tokens whose leaves share long prefixes, small enough to send every few s.
 SUMMARY_MAX_TOKENS = 1 << 18
+# A replica that died (or whose node did) under a call: that call's errors.
+REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
+OPEN_ATTEMPTS = 3
 
 
 class ReplicaStream:
@@ -131,8 +135,27 @@ class Ingress:
 
         Raises InvalidRequest / QueueFull (as the replica's engine refused it) before any output,
         so the HTTP layer can still answer with a status code.
+
+        A replica lost before its first output (its node went away after Serve chose it: Serve
+        does not send a call again once it went out) is not the client's failure, and nothing
+        reached the client yet: the request goes out again, and Serve's router, which now skips
+        the unreachable replica, places it on another, up to OPEN_ATTEMPTS times in all.
         """
         timer = self.metrics.timer()
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            try:
+                return await self._open(req, timer)
+            except REPLICA_LOST as e:
+                if attempt == OPEN_ATTEMPTS:
+                    raise
+                logger.warning(
+                    "request %s: replica lost before its first output (%s); resending",
+                    req.rid,
+                    type(e).__name__,
+                )
+        raise AssertionError("unreachable")
+
+    async def _open(self, req: GenerateRequest, timer: RequestTimer) -> ReplicaStream:
         gen = self.route(req).options(stream=True).generate.remote(req.to_dict())
         stream = ReplicaStream(gen, req.rid, timer)
         try:
