@@ -17,6 +17,7 @@ them gets an EngineError on its stream, and the others keep running.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -52,7 +53,7 @@ from radixserve.workers.mem_cache.prefix_cache import NullCache
 from radixserve.workers.mem_cache.radix_cache import RadixCache
 from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.workers.models.loader import load_model
-from radixserve.workers.protocol import EngineError, GenerateRequest
+from radixserve.workers.protocol import EngineError, EngineLoad, GenerateRequest
 from radixserve.workers.sampling.sampler import Sampler
 
 logger = logging.getLogger("radixserve.engine")
@@ -122,6 +123,8 @@ class EngineCore:
         self.inflight = InflightRequests(self.outputs)
         self.timing = StepStats()
         self.counters = dict(computed_tokens_total=0)
+        # Published at every step boundary, replaced whole (never mutated): any thread may read it.
+        self.load = EngineLoad()
 
     def _pool_tokens(self, loaded: Any) -> int:
         mc = loaded.config
@@ -300,6 +303,7 @@ class EngineCore:
                 self.inflight.emit_final(req, out)
         self._release_finished()
         plan = self.scheduler.schedule()
+        self._publish_load()
         if plan is None:
             return None
         if plan.kind is BatchKind.PREFILL:
@@ -309,6 +313,15 @@ class EngineCore:
         except Exception as exc:
             self._fail_batch(plan, "preparing the model step", exc, out)
             return None
+
+    def _publish_load(self) -> None:
+        """Replace `self.load` with this boundary's signals. Requests still waiting for their
+        grammar count among the queued tokens: they will be prefilled too."""
+        load = self.scheduler.load()
+        if self.grammars:
+            grammar_tokens = sum(len(r.origin_input_ids) for _, reqs in self.grammars.waiting for r in reqs)
+            load = dataclasses.replace(load, queued_prompt_tokens=load.queued_prompt_tokens + grammar_tokens)
+        self.load = load
 
     def _release_finished(self) -> None:
         """Free the KV of sequences that finished since the last boundary (their final chunk may
