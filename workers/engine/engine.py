@@ -127,7 +127,8 @@ class Engine:
     def load(self) -> EngineLoad:
         """The engine's load signals, cheap and safe from any thread (an event loop included): the
         engine thread publishes them at every step boundary, and the queued count is read under
-        the submission lock, so it includes requests not yet seen by the engine thread."""
+        the submission lock, so it includes requests the scheduler has not seen yet (in the inbox,
+        or waiting for a grammar compile), whose tokens count once they reach its queue."""
         return dataclasses.replace(self.core.load, queued_sequences=self.num_queued())
 
     def abort(self, rid: str) -> bool:

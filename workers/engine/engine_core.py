@@ -17,7 +17,6 @@ them gets an EngineError on its stream, and the others keep running.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -303,7 +302,7 @@ class EngineCore:
                 self.inflight.emit_final(req, out)
         self._release_finished()
         plan = self.scheduler.schedule()
-        self._publish_load()
+        self.load = self.scheduler.load()
         if plan is None:
             return None
         if plan.kind is BatchKind.PREFILL:
@@ -313,15 +312,6 @@ class EngineCore:
         except Exception as exc:
             self._fail_batch(plan, "preparing the model step", exc, out)
             return None
-
-    def _publish_load(self) -> None:
-        """Replace `self.load` with this boundary's signals. Requests still waiting for their
-        grammar count among the queued tokens: they will be prefilled too."""
-        load = self.scheduler.load()
-        if self.grammars:
-            grammar_tokens = sum(len(r.origin_input_ids) for _, reqs in self.grammars.waiting for r in reqs)
-            load = dataclasses.replace(load, queued_prompt_tokens=load.queued_prompt_tokens + grammar_tokens)
-        self.load = load
 
     def _release_finished(self) -> None:
         """Free the KV of sequences that finished since the last boundary (their final chunk may
