@@ -1,6 +1,6 @@
 """Autoscaling the engine deployments on what loads an LLM replica, not on Serve's count of
-ongoing requests (a replica streaming 60 sequences is one request per sequence to Serve, and a
-queue of long prompts looks like any other queue).
+ongoing requests (to Serve a 10-token question and a 10,000-token document are one request each,
+and so are a 5-token answer and a 4,000-token one).
 
 A prefill replica is loaded by the prompt tokens waiting to be prefilled, a decode replica by the
 KV cache its sequences hold and by how many sequences it runs, a unified replica by both. Each
@@ -23,6 +23,11 @@ holds all the logic and imports nothing of Ray:
   cache with it and moves its load onto the others: one step at a time measures the new balance
   before the next. The margin is a hysteresis band: a demand hovering around a whole number of
   replicas moves the count neither way.
+
+Queued prompt tokens measure a backlog, not a rate: they stay near 0 while the replicas keep up.
+A prefill deployment whose load lies between n - 1 and n replicas' worth therefore steps down
+after `downscale_delay_s` and back up once the backlog returns; the long default delay keeps
+that cycle slow. (Running sequences and KV use grow with the load itself and do not cycle so.)
 
 Serve wraps a custom policy in its own delays, scaling factors and bounds
 (`ray.serve.autoscaling_policy._apply_autoscaling_config`). `deployment_autoscaling` sets Serve's
