@@ -2,7 +2,8 @@
 
 `build_app` is the import path Ray Serve's own tooling calls (`serve run deploy/serve.yaml`,
 `radixserve.cluster.app:build_app`): it takes the flat argument dict of the YAML's `args:` and
-returns the bound application: the ingress in front of `dp` engine replicas. Each deployment is
+returns the bound application: the ingress in front of `dp` engine replicas (or between
+`min_replicas` and `max_replicas` of them, autoscaled). Each deployment is
 bound with its typed, frozen config (an `IngressConfig`, an `EngineConfig`).
 """
 
@@ -16,6 +17,7 @@ import ray
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from radixserve.cluster.autoscaling import deployment_autoscaling
 from radixserve.cluster.config import ServerArgs
 from radixserve.router.frontend.ingress import IngressDeployment
 from radixserve.router.routing.request_router import REQUEST_ROUTER_CLASS
@@ -31,9 +33,10 @@ def replica_options(args: ServerArgs) -> dict[str, Any]:
     )
     cpus = args.deployment.replica_num_cpus
     if cpus is None:
-        cpus = replica_cpu_share(args.deployment.dp)
+        bounds = args.autoscale.bounds("unified")  # room for the most replicas it may scale to
+        cpus = replica_cpu_share(bounds[1] if bounds else args.deployment.dp)
     return {
-        "num_replicas": args.deployment.dp,
+        **deployment_autoscaling("unified", args, args.deployment.dp),
         "max_ongoing_requests": args.deployment.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": cpus},
         "request_router_config": router,

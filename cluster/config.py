@@ -83,11 +83,57 @@ class RouterConfig:
         }
 
 
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """Replica autoscaling (cluster/autoscaling.py), per engine role: on when the role's max
+    replicas exceed its min; otherwise the role's replica count is fixed (--dp for unified)."""
+
+    min_replicas: int = 1  # unified engine replicas
+    max_replicas: int | None = None
+    prefill_min_replicas: int = 1
+    prefill_max_replicas: int | None = None
+    decode_min_replicas: int = 1
+    decode_max_replicas: int | None = None
+    autoscale_target_queued_tokens: int | None = None  # per replica; None: max_prefill_tokens
+    autoscale_target_kv_usage: float = 0.8
+    autoscale_target_running: int | None = None  # per replica; None: 3/4 of max_running_requests
+    autoscale_upscale_delay_s: float = 30.0
+    autoscale_downscale_delay_s: float = 600.0
+    autoscale_look_back_s: float = 30.0  # Serve averages each replica's metrics over this window
+    autoscale_metrics_interval_s: float = 10.0  # how often replicas push their metrics
+    drain_timeout_s: float = 300.0  # a replica being removed finishes its requests within this
+
+    def __post_init__(self) -> None:
+        for role in ("", "prefill_", "decode_"):
+            lo, hi = getattr(self, f"{role}min_replicas"), getattr(self, f"{role}max_replicas")
+            if lo < 1:  # the ingress asks a replica for the model card when it starts
+                raise ValueError(f"{role}min_replicas must be >= 1")
+            if hi is not None and hi < lo:
+                raise ValueError(f"{role}max_replicas must be >= {role}min_replicas")
+        for name in ("autoscale_target_queued_tokens", "autoscale_target_running"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 < self.autoscale_target_kv_usage <= 1:
+            raise ValueError("autoscale_target_kv_usage must be in (0, 1]")
+        if min(self.autoscale_upscale_delay_s, self.autoscale_downscale_delay_s, self.drain_timeout_s) < 0:
+            raise ValueError("autoscaling delays and drain_timeout_s must be >= 0")
+        if not 0 < self.autoscale_metrics_interval_s < self.autoscale_look_back_s:
+            raise ValueError("autoscale_metrics_interval_s must be > 0 and < autoscale_look_back_s")
+
+    def bounds(self, role: str) -> tuple[int, int] | None:
+        """(min, max) replicas of `role` ("unified", "prefill", "decode"); None: not autoscaled."""
+        prefix = "" if role == "unified" else f"{role}_"
+        lo, hi = getattr(self, f"{prefix}min_replicas"), getattr(self, f"{prefix}max_replicas")
+        return (lo, hi) if hi is not None and hi > lo else None
+
+
 LAYERS: dict[str, type] = {
     "engine": EngineConfig,
     "http": HTTPConfig,
     "deployment": DeploymentConfig,
     "router": RouterConfig,
+    "autoscale": AutoscaleConfig,
 }
 
 
@@ -97,6 +143,7 @@ class ServerArgs:
     http: HTTPConfig = field(default_factory=HTTPConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None = None) -> ServerArgs:
@@ -130,7 +177,8 @@ class ServerArgs:
 
     def policy_kwargs(self) -> dict[str, Any]:
         """The routing policy's config: cache_aware is the default once there is a choice."""
-        return self.router.policy_kwargs("cache_aware" if self.deployment.dp > 1 else "round_robin")
+        choice = self.deployment.dp > 1 or self.autoscale.bounds("unified") is not None
+        return self.router.policy_kwargs("cache_aware" if choice else "round_robin")
 
     def ingress_config(self) -> IngressConfig:
         return IngressConfig(
@@ -179,6 +227,27 @@ HELP = {
     "running + queued limits)",
     "replica_num_cpus": "Ray CPUs per engine replica, also its torch threads (default: the smallest "
     "node's CPUs split among the replicas it must hold)",
+    "min_replicas": "autoscaling: fewest engine replicas (autoscaling is on when --max-replicas exceeds "
+    "it; --dp is then the initial count)",
+    "max_replicas": "autoscaling: most engine replicas",
+    "prefill_min_replicas": "PD autoscaling: fewest prefill replicas",
+    "prefill_max_replicas": "PD autoscaling: most prefill replicas (on when above the min)",
+    "decode_min_replicas": "PD autoscaling: fewest decode replicas",
+    "decode_max_replicas": "PD autoscaling: most decode replicas (on when above the min)",
+    "autoscale_target_queued_tokens": "autoscaling: prompt tokens waiting to be prefilled per replica "
+    "(prefill and unified replicas; default: --max-prefill-tokens)",
+    "autoscale_target_kv_usage": "autoscaling: share of the KV pool held by requests per replica "
+    "(decode and unified replicas)",
+    "autoscale_target_running": "autoscaling: running sequences per replica (decode and unified "
+    "replicas; default: 3/4 of --max-running-requests)",
+    "autoscale_upscale_delay_s": "autoscaling: how long the load must stay above the targets before "
+    "replicas are added",
+    "autoscale_downscale_delay_s": "autoscaling: how long the load must stay below the targets (with a "
+    "margin) before one replica is removed",
+    "autoscale_look_back_s": "autoscaling: window over which each replica's load is averaged",
+    "autoscale_metrics_interval_s": "autoscaling: how often replicas report their load",
+    "drain_timeout_s": "a replica being removed stops taking requests and finishes those in flight "
+    "within this time",
     "log_level": " | ".join(LOG_LEVELS),
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
     "ray_metrics_export_port": "port of Ray's Prometheus metrics (Serve's replicas, queues, autoscaling) "

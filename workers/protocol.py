@@ -362,6 +362,29 @@ class ReplicaStats:
         return cls(**d)
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """A replica's load signals, as its `record_autoscaling_stats` reports them to Serve: each
+    field is one autoscaling metric (name and number), read back by the policies in
+    cluster/autoscaling.py."""
+
+    # Tokens still to be prefilled: waiting sequences' tokens past their cached prefix (the whole
+    # prompt where the match is not known), plus what chunked prefills in progress have left.
+    queued_prompt_tokens: float = 0
+    running_sequences: float = 0
+    queued_sequences: float = 0  # submitted, not yet running (what max_queued_requests limits)
+    kv_usage: float = 0.0  # 1 - (free + evictable) / total: the share of the KV pool held by requests
+
+    def to_metrics(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, float]) -> EngineLoad:
+        """From one replica's metrics; a metric it has not reported yet counts as 0. (The engine
+        reports whole counts; Serve's window averages make them fractional.)"""
+        return cls(**{f.name: metrics.get(f.name, 0) for f in dataclasses.fields(cls)})
+
+
 class QueueFull(RuntimeError):
     """The replica's waiting queue is at `max_queued_requests`: the HTTP layer answers 503."""
 

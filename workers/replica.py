@@ -118,6 +118,12 @@ class EngineReplica:
         s.replica_id = self.replica_id
         return {"stats": s.to_dict(), "prefixes": [p for _, p in paths], "namespaces": [n for n, _ in paths]}
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (`EngineLoad` fields), which the policies of
+        cluster/autoscaling.py scale on. Serve calls it on this event loop every few seconds
+        (with a 10 s timeout): it only reads what the engine thread published, never waits for it."""
+        return self.engine.load().to_metrics()
+
     async def engine_stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.engine.stats()}
 

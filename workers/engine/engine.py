@@ -9,6 +9,7 @@ the forward runs on a second thread; see EngineCore.step).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -29,6 +30,7 @@ from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.engine_core import EngineCore
 from radixserve.workers.executor.cpu_runtime import on_short_lived_thread
 from radixserve.workers.protocol import (
+    EngineLoad,
     GenerateRequest,
     InvalidRequest,
     OutputChunk,
@@ -121,6 +123,13 @@ class Engine:
         # Running sequences whose final chunk went out are released at the next step boundary;
         # until then they count as running, hence the clamp.
         return max(self._open_sequences - self.core.num_running(), 0)
+
+    def load(self) -> EngineLoad:
+        """The engine's load signals, cheap and safe from any thread (an event loop included): the
+        engine thread publishes them at every step boundary, and the queued count is read under
+        the submission lock, so it includes requests the scheduler has not seen yet (in the inbox,
+        or waiting for a grammar compile), whose tokens count once they reach its queue."""
+        return dataclasses.replace(self.core.load, queued_sequences=self.num_queued())
 
     def abort(self, rid: str) -> bool:
         """Abort a queued or running request; its KV is released at the next step boundary."""

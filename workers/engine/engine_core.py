@@ -52,7 +52,7 @@ from radixserve.workers.mem_cache.prefix_cache import NullCache
 from radixserve.workers.mem_cache.radix_cache import RadixCache
 from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.workers.models.loader import load_model
-from radixserve.workers.protocol import EngineError, GenerateRequest
+from radixserve.workers.protocol import EngineError, EngineLoad, GenerateRequest
 from radixserve.workers.sampling.sampler import Sampler
 
 logger = logging.getLogger("radixserve.engine")
@@ -122,6 +122,8 @@ class EngineCore:
         self.inflight = InflightRequests(self.outputs)
         self.timing = StepStats()
         self.counters = dict(computed_tokens_total=0)
+        # Published at every step boundary, replaced whole (never mutated): any thread may read it.
+        self.load = EngineLoad()
 
     def _pool_tokens(self, loaded: Any) -> int:
         mc = loaded.config
@@ -300,6 +302,7 @@ class EngineCore:
                 self.inflight.emit_final(req, out)
         self._release_finished()
         plan = self.scheduler.schedule()
+        self.load = self.scheduler.load()
         if plan is None:
             return None
         if plan.kind is BatchKind.PREFILL:

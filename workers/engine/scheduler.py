@@ -14,6 +14,7 @@ from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.schedule_policy import InBatchDedup, SchedulePolicy, match_key
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
+from radixserve.workers.protocol import EngineLoad
 
 # Memory reserved for the future tokens of running requests is an estimate: each running request
 # is assumed to need `ratio * min(remaining max_new_tokens, CLIP)` more slots. The ratio decays
@@ -35,6 +36,9 @@ class Scheduler:
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
+        # Cached-prefix lengths of the waiting requests, by key, as the last admission round saw
+        # them (empty when the policy does not match prefixes): `load` counts the tokens past them.
+        self.match_lens: dict[str, int] = {}
 
     # Queue -----------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -56,6 +60,20 @@ class Scheduler:
             for r in gone:
                 self.release(r)
         return out + gone
+
+    def load(self) -> EngineLoad:
+        """The load signals of the queue, the batch and the pool, in one pass over the queue.
+        `queued_sequences` counts only this queue (the engine knows what waits elsewhere)."""
+        lens = self.match_lens
+        queued = sum(max(r.seq_len - lens.get(r.key, 0), 0) for r in self.waiting)
+        queued += sum(r.remaining_prefill for r in self.running if r.remaining_prefill > 1)
+        held = self.pool.size - self.pool.available() - self.cache.evictable_size()
+        return EngineLoad(
+            queued_prompt_tokens=queued,
+            running_sequences=len(self.running),
+            queued_sequences=len(self.waiting),
+            kv_usage=held / self.pool.size if self.pool.size else 0.0,
+        )
 
     # Planning --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -96,6 +114,7 @@ class Scheduler:
 
     def _admit(self, plan: ScheduledBatch, budget: int) -> None:
         ordered, match_lens = self.policy.order(list(self.waiting))
+        self.match_lens = match_lens
         dedup = InBatchDedup(self.config.schedule_policy == "lpm" and not self.config.disable_radix_cache)
         admitted: set[str] = set()
         chunk = self.config.chunk_size
