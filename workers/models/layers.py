@@ -9,7 +9,9 @@ Hugging Face issues three.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -96,10 +98,12 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class Linear(nn.Module):
     """y = x @ W^T + b, W [out_features, in_features] as checkpoints store it.
 
-    `pack_()` (after loading) re-lays W for cpu_ops.packed_linear where that kernel exists (bf16 on
-    AVX512-BF16 CPUs): 2.2-2.6x oneDNN at decode batch sizes, 0.96x at prefill sizes. The packed
-    tensor replaces `weight`, so memory does not grow; float32 rounding differs from oneDNN's only
-    in summation order.
+    `pack_(crossover)` (after loading) adds a copy of W laid out for cpu_ops.packed_linear where
+    that kernel exists (bf16 on AVX512-BF16 CPUs): 1.7-2.6x oneDNN at decode row counts, slower at
+    prefill sizes. Inputs of fewer than `crossover` rows then take the packed kernel and larger ones
+    torch's matmul on the plain W; with `crossover` None the plain W is dropped and the packed
+    kernel takes every size, so the weight is held once. float32 rounding differs between the two
+    paths only in summation order.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
@@ -113,31 +117,42 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        self.packed_weight: Any = None  # nn.Parameter once packed
         self.bias_f32: torch.Tensor | None = None
-        self._kernel = None  # the extension's packed_linear, bound once packed
+        self.packed_below = 0  # rows < this run packed
+        self._kernel: Any = None  # the extension's packed_linear, bound once packed
 
     @property
     def packed(self) -> bool:
         return self._kernel is not None
 
+    def uses_packed(self, rows: int) -> bool:
+        """Whether an input of `rows` rows runs the packed kernel (else torch's matmul)."""
+        return rows < self.packed_below
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is not None and x.dim() == 2:
-            return self._kernel(x, self.weight, self.out_features, self.bias_f32)  # checks x itself
-        if self.packed:
-            return cpu_ops.packed_linear(x, self.weight, self.out_features, self.bias_f32)
+        if x.dim() == 2 and x.shape[0] < self.packed_below:
+            return self._kernel(x, self.packed_weight, self.out_features, self.bias_f32)  # checks x itself
+        if self.weight is None:  # packed copy only: any shape, any row count
+            return cpu_ops.packed_linear(x, self.packed_weight, self.out_features, self.bias_f32)
         return F.linear(x, self.weight, self.bias)
 
-    def pack_(self) -> bool:
-        """Switch to the packed kernel if it runs here; False (unchanged) otherwise."""
-        if (
-            self.packed
-            or not cpu_ops.gemm_available(self.weight.dtype, self.weight.device)
-            or self.in_features % 2
-        ):
-            return self.packed
-        self.weight = nn.Parameter(cpu_ops.pack_linear_weight(self.weight.data), requires_grad=False)
+    def pack_(self, crossover: int | None = None) -> bool:
+        """Add the packed copy if the kernel runs here (False, unchanged, otherwise).
+
+        crossover: rows from which torch's matmul is faster (both copies kept), or None for the
+        packed kernel at every size (the plain weight is released).
+        """
+        if self.packed:
+            raise RuntimeError("layer is already packed")
+        if not cpu_ops.gemm_available(self.weight.dtype, self.weight.device) or self.in_features % 2:
+            return False
+        self.packed_weight = nn.Parameter(cpu_ops.pack_linear_weight(self.weight.data), requires_grad=False)
         self.bias_f32 = None if self.bias is None else self.bias.float()
         self._kernel = cpu_ops.native_ops().packed_linear
+        self.packed_below = sys.maxsize if crossover is None else crossover
+        if crossover is None:
+            self.weight = None  # type: ignore[assignment]  # the packed copy serves every size
         return True
 
 

@@ -127,22 +127,21 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.context_length, config.rope, config.dtype, rotary_device
         )
 
-    def pack_weights(self) -> bool:
-        """Re-lay every projection for the packed CPU GEMM where it runs (after load_weights).
-
-        A tied LM head gets its own packed copy of the embedding (the lookup needs the plain one).
+    def pack_weights(self, crossover: int | None = None) -> bool:
+        """Give every projection its packed CPU GEMM copy where that kernel runs (after
+        load_weights); `crossover` as in Linear.pack_. A tied LM head packs the embedding, and
+        above the crossover multiplies by the embedding itself (no second plain copy).
         """
         weight = self.model.embed_tokens.weight
         if not cpu_ops.gemm_available(weight.dtype, weight.device):
             return False
         if self.lm_head is None:
-            self.lm_head = linear(
-                self.config.hidden_size, self.config.vocab_size, False, weight.dtype, weight.device
-            )
-            self.lm_head.weight.data.copy_(weight)
+            with torch.device("meta"):  # its own weight is replaced by the embedding's at once
+                self.lm_head = linear(self.config.hidden_size, self.config.vocab_size, False, weight.dtype)
+            self.lm_head.weight = weight  # type: ignore[assignment]  # a Parameter: nn.Embedding.weight
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_()
+                module.pack_(crossover)
         return True
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,11 +23,19 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixserve.kernels import cpu_ops
+from radixserve.kernels.gemm_crossover import packed_crossover
 from radixserve.workers.models.attention import get_backend
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.gguf_convert import ensure_converted
+from radixserve.workers.models.layers import Linear
 from radixserve.workers.models.llama import LlamaForCausalLM
 from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Host memory share that plain copies of the projections (kept beside the packed ones for prefill
+# sizes) may take; beyond it the packed copy alone serves every size.
+DUAL_WEIGHTS_MAX_MEMORY = 0.05
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -158,6 +167,32 @@ def build_model(config: ModelConfig, attention_backend: str = "auto", device: st
     return model.to_empty(device=device).eval()
 
 
+def packed_gemm_crossover(model: torch.nn.Module) -> int | None:
+    """Rows from which the projections switch from the packed GEMM to torch's matmul (keeping a
+    plain copy of every projection beside the packed one), or None for one packed copy only.
+
+    The plain copies are kept only where torch measures faster at prefill sizes on this machine
+    (kernels/gemm_crossover.py) and they cost at most DUAL_WEIGHTS_MAX_MEMORY of the host's memory:
+    on the 2-core dev VM they gained 2-4% of a 512-token prefill forward for +79% of the default
+    model's weight bytes (212 MB in bf16), a trade only a small model should make.
+    """
+    linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"]
+    if not linears or not cpu_ops.gemm_available(linears[0].weight.dtype, linears[0].weight.device):
+        return None
+    crossover = packed_crossover((m.in_features, m.out_features) for m in linears)
+    plain_bytes = sum(m.in_features * m.out_features for m in linears) * linears[0].weight.element_size()
+    budget = DUAL_WEIGHTS_MAX_MEMORY * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if crossover is not None and plain_bytes > budget:
+        log.info("packed GEMM for all sizes: plain copies (%.0f MB) exceed the budget", plain_bytes / 1e6)
+        return None
+    log.info(
+        "packed GEMM below %s rows%s",
+        crossover,
+        "" if crossover is None else f", torch above (+{plain_bytes / 1e6:.0f} MB of plain weights)",
+    )
+    return crossover
+
+
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -178,5 +213,5 @@ def load_model(
         config = dataclasses.replace(config, eos_token_ids=(int(tokenizer.eos_token_id),))
     model = build_model(config, attention_backend)
     model.load_weights(iter_checkpoint(model_dir))
-    model.pack_weights()
+    model.pack_weights(packed_gemm_crossover(model))
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)
