@@ -68,21 +68,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """silu(x @ gate^T) * (x @ up^T) @ down^T; also one expert of a sparse MoE block."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
         c = config
-        self.gate_up_proj = FusedLinear(c.hidden_size, [c.intermediate_size] * 2, c.mlp_bias, c.dtype)
-        self.down_proj = linear(c.intermediate_size, c.hidden_size, c.mlp_bias, c.dtype)
+        inter = intermediate_size or c.intermediate_size
+        self.gate_up_proj = FusedLinear(c.hidden_size, [inter] * 2, c.mlp_bias, c.dtype)
+        self.down_proj = linear(inter, c.hidden_size, c.mlp_bias, c.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend, attention_cls):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, backend: AttentionBackend, attention_cls, mlp: nn.Module
+    ):
         super().__init__()
         self.self_attn = attention_cls(config, layer_id, backend)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
@@ -97,12 +102,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, attention_cls):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, arch: type[LlamaForCausalLM]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
         self.embed_tokens.requires_grad_(False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, attention_cls) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, backend, arch.attention_cls, arch.make_mlp(config, i))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
@@ -110,13 +116,13 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Build under `torch.device("meta")`, then `to_empty(device=...)` and `load_weights(...)`."""
 
-    attention_cls = LlamaAttention
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary_device="cpu"):
         super().__init__()
         self.config = config
         self.backend = backend
-        self.model = LlamaModel(config, backend, self.attention_cls)
+        self.model = LlamaModel(config, backend, type(self))
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -126,6 +132,17 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.context_length, config.rope, config.dtype, rotary_device
         )
+
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+        """The MLP of decoder layer `layer_id` (MoE architectures pick sparse blocks here)."""
+        return LlamaMLP(config)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A checkpoint tensor's name in this model's layout (architectures that name theirs
+        differently translate here)."""
+        return name
 
     def pack_weights(self, crossover: int | None = None) -> bool:
         """Give every projection its packed CPU GEMM copy where that kernel runs (after
@@ -168,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
         expected = set(params)
         fused_loaded: set[tuple[str, int, str]] = set()
         for name, tensor in weights:
+            name = self.checkpoint_name(name)
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             *path, leaf, kind = name.split(".")

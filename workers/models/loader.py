@@ -29,7 +29,8 @@ from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.gguf_convert import ensure_converted
 from radixserve.workers.models.layers import Linear
 from radixserve.workers.models.llama import LlamaForCausalLM
-from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from radixserve.workers.models.mixtral import MixtralForCausalLM
+from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ MODEL_CLASSES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 _DTYPES = {

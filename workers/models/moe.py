@@ -1,0 +1,67 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router and expert MLPs.
+
+Each token's router logits go through a float32 softmax; its `top_k` most probable experts run on
+it and their outputs are summed, weighted by those probabilities (renormalized to sum 1 where the
+model says so). An expert is a Llama MLP of the expert width. Tokens are grouped by expert with one
+stable sort, so every expert runs one GEMM pair over all of its tokens, experts in id order and
+tokens in batch order as Hugging Face accumulates them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixserve.workers.models.config import ModelConfig
+from radixserve.workers.models.layers import linear
+from radixserve.workers.models.llama import LlamaMLP
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] router logits -> float32 weights [T, top_k] and expert ids [T, top_k]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoeBlock(nn.Module):
+    """`gate` (the router, hidden -> experts) and `experts`, keyed by expert id as checkpoints
+    name them (`mlp.experts.7.down_proj.weight`).
+
+    weights_in_float32: multiply expert outputs by float32 routing weights (Mixtral) rather than
+    weights rounded to the model dtype first (Qwen3-MoE); the two differ only below float32.
+    """
+
+    def __init__(self, config: ModelConfig, weights_in_float32: bool):
+        super().__init__()
+        moe = config.moe
+        if moe is None:
+            raise ValueError(f"{config.architecture} has no MoE configuration")
+        self.num_experts, self.top_k, self.renormalize = moe.num_experts, moe.top_k, moe.norm_topk_prob
+        self.weights_in_float32 = weights_in_float32
+        self.gate = linear(config.hidden_size, moe.num_experts, False, config.dtype)
+        self.experts = nn.ModuleDict(
+            {str(e): LlamaMLP(config, moe.intermediate_size) for e in range(moe.num_experts)}
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if not self.weights_in_float32:
+            weights = weights.to(x.dtype)
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        tokens = order // self.top_k  # the token of each (token, choice) pair, grouped by expert
+        pair_weights = weights.flatten()[order].unsqueeze(1)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert_id, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            start += count
+            y = self.experts[str(expert_id)](x.index_select(0, tokens[rows]))
+            out.index_add_(0, tokens[rows], (y * pair_weights[rows]).to(x.dtype))
+        return out
