@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from radixserve.kernels import cpu_ops, gemm_crossover
 from radixserve.kernels.gemm_crossover import choose_crossover, packed_crossover, probe
 from radixserve.workers.models import loader
-from radixserve.workers.models.layers import Linear
+from radixserve.workers.models.linear import Linear
 from radixserve.workers.models.loader import build_model, iter_checkpoint, load_model
 from tests.tiny_models import make_tiny_checkpoint
 

@@ -178,7 +178,7 @@ def test_packed_bf16_projections_match_the_unpacked_model(tmp_path, monkeypatch,
     float32 summation order differs from torch's matmul, so the logits stay within bf16 noise."""
     from radixserve.kernels import cpu_ops
     from radixserve.kernels.gemm_crossover import ENV_OVERRIDE
-    from radixserve.workers.models.layers import Linear
+    from radixserve.workers.models.linear import Linear
     from radixserve.workers.models.loader import build_model, iter_checkpoint
 
     arch, overrides = TINY[name]

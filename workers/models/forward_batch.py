@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from radixserve.workers.distributed.group import CommGroup
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill of new tokens after a (possibly empty) cached prefix
@@ -56,3 +58,44 @@ class ForwardBatch:
         for n in self.extend_lens_list:
             out.append(out[-1] + n)
         return out
+
+
+def broadcast_batch(group: CommGroup, batch: ForwardBatch | None = None, src: int = 0) -> ForwardBatch:
+    """Rank `src`'s batch on every rank of `group` (the others pass None), as two broadcasts: the
+    sizes, then one int64 tensor holding every field. The tensors land on the group's device."""
+    if group.world_size == 1:
+        if batch is None:
+            raise ValueError("a group of one has no other rank to receive a batch from")
+        return batch
+    header = torch.zeros(4, dtype=torch.int64, device=group.device)
+    if group.rank == src:
+        assert batch is not None
+        mode = list(ForwardMode).index(batch.mode)
+        header.copy_(torch.tensor([mode, batch.batch_size, batch.num_tokens, batch.kv_indices.shape[1]]))
+    group.broadcast(header, src)
+    mode, b, t, width = header.tolist()
+    sizes = [t, t, t, b, b, b * width, b]  # input_ids, positions, out_slots, seq_lens, extend, kv, logits
+    if group.rank == src:
+        assert batch is not None
+        fields = (batch.input_ids, batch.positions, batch.out_slots, batch.seq_lens, batch.extend_lens)
+        flat = torch.cat([f.reshape(-1) for f in (*fields, batch.kv_indices, batch.logits_indices)])
+        flat = flat.to(device=group.device, dtype=torch.int64)
+    else:
+        flat = torch.empty(sum(sizes), dtype=torch.int64, device=group.device)
+    group.broadcast(flat, src)
+    if group.rank == src:
+        assert batch is not None
+        return batch
+    ids, pos, slots, seq_lens, extend, kv, logits = flat.split(sizes)
+    return ForwardBatch(
+        mode=list(ForwardMode)[mode],
+        input_ids=ids,
+        positions=pos,
+        out_slots=slots,
+        seq_lens=seq_lens,
+        extend_lens=extend,
+        kv_indices=kv.view(b, width),
+        logits_indices=logits,
+        seq_lens_list=seq_lens.tolist(),
+        extend_lens_list=extend.tolist(),
+    )

@@ -24,10 +24,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixserve.kernels import cpu_ops
 from radixserve.kernels.gemm_crossover import packed_crossover
+from radixserve.workers.distributed.parallel import Parallel
 from radixserve.workers.models.attention import get_backend
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.gguf_convert import ensure_converted
-from radixserve.workers.models.layers import Linear
+from radixserve.workers.models.linear import Linear
 from radixserve.workers.models.llama import LlamaForCausalLM
 from radixserve.workers.models.mixtral import MixtralForCausalLM
 from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
@@ -160,13 +161,19 @@ def read_config(model_dir: Path, dtype: torch.dtype) -> ModelConfig:
     return ModelConfig.from_hf(hf, dtype, gen)
 
 
-def build_model(config: ModelConfig, attention_backend: str = "auto", device: str = "cpu") -> torch.nn.Module:
-    """An uninitialized model of the config's architecture (weights still to be loaded)."""
+def build_model(
+    config: ModelConfig,
+    attention_backend: str = "auto",
+    device: str = "cpu",
+    parallel: Parallel | None = None,
+) -> torch.nn.Module:
+    """An uninitialized model of the config's architecture (weights still to be loaded); with
+    `parallel`, this rank's shard of it."""
     backend = get_backend(attention_backend, device)
     if device == "cpu":
         cpu_ops.native_ops()  # build (first time on a machine, ~1 min) now, not in the first forward
     with torch.device("meta"):
-        model = MODEL_CLASSES[config.architecture](config, backend, rotary_device=device)
+        model = MODEL_CLASSES[config.architecture](config, backend, rotary_device=device, parallel=parallel)
     return model.to_empty(device=device).eval()
 
 
@@ -206,15 +213,20 @@ def load_model(
     model_path: str | None = None,
     dtype: str | torch.dtype | None = None,
     attention_backend: str = "auto",
+    parallel: Parallel | None = None,
 ) -> LoadedModel:
-    """Load a local model. `model_path` None = the embedded SmolLM2-135M-Instruct default."""
+    """Load a local model. `model_path` None = the embedded SmolLM2-135M-Instruct default.
+
+    With `parallel`, this rank's shard (every rank of the group calls this with the same path):
+    the model holds only its slices, read from the full checkpoint tensors.
+    """
     torch_dtype = resolve_dtype(dtype)
     model_dir, name = resolve_model_dir(model_path)
     config = read_config(model_dir, torch_dtype)
     tokenizer = load_tokenizer(model_dir)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config = dataclasses.replace(config, eos_token_ids=(int(tokenizer.eos_token_id),))
-    model = build_model(config, attention_backend)
+    model = build_model(config, attention_backend, parallel=parallel)
     model.load_weights(iter_checkpoint(model_dir))
     model.pack_weights(packed_gemm_crossover(model))
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)

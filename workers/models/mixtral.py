@@ -11,6 +11,7 @@ import re
 
 from torch import nn
 
+from radixserve.workers.distributed.parallel import Parallel
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.llama import LlamaForCausalLM
 from radixserve.workers.models.moe import SparseMoeBlock
@@ -21,8 +22,8 @@ _EXPERT_NAME = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.")
 
 class MixtralForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def make_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
-        return SparseMoeBlock(config, weights_in_float32=True)
+    def make_mlp(config: ModelConfig, layer_id: int, parallel: Parallel) -> nn.Module:
+        return SparseMoeBlock(config, parallel, weights_in_float32=True)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixserve.workers.distributed.parallel import Parallel
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.layers import RMSNorm
 from radixserve.workers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -21,8 +22,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, layer_id: int, backend):
-        super().__init__(config, layer_id, backend)
+    def __init__(self, config: ModelConfig, layer_id: int, backend, parallel: Parallel):
+        super().__init__(config, layer_id, backend, parallel)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype)
 
@@ -48,7 +49,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention
 
     @staticmethod
-    def make_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+    def make_mlp(config: ModelConfig, layer_id: int, parallel: Parallel) -> nn.Module:
         if config.moe is not None and layer_id in config.moe.layers:
-            return SparseMoeBlock(config, weights_in_float32=False)
-        return LlamaMLP(config)
+            return SparseMoeBlock(config, parallel, weights_in_float32=False)
+        return LlamaMLP(config, parallel)
