@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixserve.workers.distributed.group import CommGroup
+from radixserve.workers.distributed.launch import run_ranks
 from radixserve.workers.distributed.parallel import (
     HeadSplit,
     Parallel,
@@ -19,7 +20,6 @@ from radixserve.workers.models.loader import load_model
 from tests.engine_utils import hf_greedy
 from tests.model_driver import ModelDriver
 from tests.tiny_models import make_tiny_checkpoint
-from tests.tp_harness import run_ranks
 from tests.tp_ranks import collectives_on_rank, greedy_on_rank
 
 torch.set_num_threads(1)

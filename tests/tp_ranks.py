@@ -1,4 +1,4 @@
-"""What each rank runs in the tensor / expert parallel tests (tests/tp_harness.run_ranks)."""
+"""What each rank runs in the tensor / expert parallel tests (distributed/launch.run_ranks)."""
 
 from __future__ import annotations
 

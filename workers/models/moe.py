@@ -61,6 +61,11 @@ class SparseMoeBlock(nn.Module):
         return expert_id in self.local_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block's output: its experts' slices, for the tokens routed to
+        them (zeros elsewhere); summed over the tensor-parallel group, the block's output."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if not self.weights_in_float32:
             weights = weights.to(x.dtype)
@@ -77,4 +82,4 @@ class SparseMoeBlock(nn.Module):
             if rows.stop > rows.start:
                 y = self.experts[str(expert_id)](x.index_select(0, tokens[rows]))
                 out.index_add_(0, tokens[rows], (y * pair_weights[rows]).to(x.dtype))
-        return self.group.all_reduce(out)
+        return out

@@ -1,0 +1,144 @@
+"""Tensor and expert parallelism on one host, model-level forwards (no engine), side by side:
+
+    python -m load_tests.bench_tp            # ~3 minutes on 2 cores
+    python -m load_tests.bench_tp --json results/tp.json
+
+1. The default model: TP=2 (two processes, one thread each, Gloo) against TP=1 (one process, two
+   threads), a decode step (16 sequences of 128 tokens) and a 256-token prefill; per step, the
+   time in all-reduces (2 per layer + the embedding's) and in the logits' all-gather.
+2. A small Qwen3-MoE (8 experts, top-2): EP=2 (each rank 4 experts) and TP=2 EP=1 (each rank
+   half of every expert) against EP=1, the same steps.
+
+On a 2-core machine TP does not pay: both layouts use the same two cores, and TP adds the
+collectives. The point here is what they cost; the correctness is tests/test_tp.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from load_tests.tiny_moe import tiny_moe_checkpoint
+from radixserve.workers.distributed.group import CommGroup
+from radixserve.workers.distributed.launch import run_ranks
+from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+from radixserve.workers.models.loader import load_model
+
+DECODE_BATCH, DECODE_LEN, PREFILL_LEN = 16, 128, 256
+
+
+def decode_batch(batch: int, length: int) -> ForwardBatch:
+    kv = torch.arange(1, batch * length + 1).view(batch, length)
+    return ForwardBatch(
+        ForwardMode.DECODE,
+        torch.randint(100, 40000, (batch,), generator=torch.Generator().manual_seed(0)),
+        torch.full((batch,), length - 1),
+        kv[:, -1].clone(),
+        torch.full((batch,), length),
+        torch.ones(batch, dtype=torch.int64),
+        kv,
+        torch.arange(batch),
+        [length] * batch,
+        [1] * batch,
+    )
+
+
+def prefill_batch(length: int) -> ForwardBatch:
+    slots = torch.arange(1, length + 1)
+    return ForwardBatch(
+        ForwardMode.EXTEND,
+        torch.randint(100, 40000, (length,), generator=torch.Generator().manual_seed(1)),
+        torch.arange(length),
+        slots,
+        torch.tensor([length]),
+        torch.tensor([length]),
+        slots.view(1, length),
+        torch.tensor([length - 1]),
+        [length],
+        [length],
+    )
+
+
+def _step(model, pool, make, group: CommGroup, repeats: int) -> dict:
+    times, comm = [], []
+    model(make(), pool)  # warm-up
+    for _ in range(repeats):
+        batch = make()
+        group.barrier()  # ranks start together: a step is as slow as its slowest rank
+        group.stats.reset()
+        start = time.perf_counter()
+        model(batch, pool)
+        times.append(time.perf_counter() - start)
+        comm.append(dict(group.stats.seconds))
+    calls = dict(group.stats.calls)
+    return {
+        "ms": 1e3 * statistics.median(times),
+        "all_reduce_ms": 1e3 * statistics.median(c.get("all_reduce", 0.0) for c in comm),
+        "all_gather_ms": 1e3 * statistics.median(c.get("all_gather", 0.0) for c in comm),
+        "calls": calls,
+    }
+
+
+def forwards_on_rank(group: CommGroup, path: str | None, tp: int, ep: int, repeats: int) -> dict:
+    loaded = load_model(path, parallel=Parallel(ParallelConfig(tp, ep), group))
+    model, c = loaded.model, loaded.config
+    slots = max(DECODE_BATCH * DECODE_LEN, PREFILL_LEN) + 1
+    pool = KVPool(c.num_layers, model.local_kv_heads, c.head_dim, slots, dtype=c.dtype)
+    with torch.inference_mode():
+        return {
+            "dtype": str(c.dtype).removeprefix("torch."),
+            "decode": _step(model, pool, lambda: decode_batch(DECODE_BATCH, DECODE_LEN), group, repeats),
+            "prefill": _step(model, pool, lambda: prefill_batch(PREFILL_LEN), group, max(3, repeats // 4)),
+        }
+
+
+def run_layout(path: str | None, tp: int, ep: int, repeats: int) -> dict:
+    """Rank 0's figures; TP=1 gets both threads, TP=2 one per rank."""
+    return run_ranks(forwards_on_rank, tp, path, tp, ep, repeats, threads=2 // tp)[0]
+
+
+def _print(label: str, res: dict) -> None:
+    for step in ("decode", "prefill"):
+        r = res[step]
+        comm = r["all_reduce_ms"] + r["all_gather_ms"]
+        print(
+            f"{label:22s} {step:7s} {r['ms']:8.2f} ms/step  all-reduce {r['all_reduce_ms']:6.2f} ms "
+            f"({r['calls'].get('all_reduce', 0)} calls)  all-gather {r['all_gather_ms']:5.2f} ms  "
+            f"comm {100 * comm / r['ms']:4.1f}%",
+            flush=True,
+        )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    res: dict = {}
+    for label, tp in (("default TP=1 (2 thr)", 1), ("default TP=2 (2x1 thr)", 2)):
+        res[label] = run_layout(None, tp, 1, args.repeats)
+        _print(f"{label} {res[label]['dtype']}", res[label])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tiny_moe_checkpoint(tmp)
+        for label, tp, ep in (
+            ("moe EP=1 (2 thr)", 1, 1),
+            ("moe EP=2 (2x1 thr)", 2, 2),
+            ("moe TP=2 EP=1", 2, 1),
+        ):
+            res[label] = run_layout(path, tp, ep, args.repeats)
+            _print(label, res[label])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
