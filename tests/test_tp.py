@@ -56,6 +56,13 @@ def test_head_splits_keep_gqa_groups_whole():
 def test_parallel_config_layout_and_validation():
     config = ParallelConfig(tp_size=4, ep_size=2)
     assert config.moe_tp_size == 2
+    # Ranks 0-1 hold experts 0-3 (each rank half of every expert), ranks 2-3 experts 4-7.
+    assert [config.ep_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [config.moe_tp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [config.experts(8, r) for r in range(4)] == [range(0, 4), range(0, 4), range(4, 8), range(4, 8)]
+    assert [ParallelConfig(3, 3).experts(8, r) for r in range(3)] == [range(0, 3), range(3, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="2 experts cannot be spread over ep_size 3"):
+        ParallelConfig(3, 3).experts(2, 0)
     with pytest.raises(ValueError, match=r"ep_size \(3\) must divide tp_size \(4\)"):
         ParallelConfig(tp_size=4, ep_size=3)
     with pytest.raises(ValueError, match="the group has 1 ranks, the config tp_size 2"):

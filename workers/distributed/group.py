@@ -1,8 +1,10 @@
 """CommGroup: one process's handle on a group of ranks, over torch.distributed.
 
-The same code runs Gloo on CPU and NCCL on CUDA. A group is made from an explicit store (a
-TCPStore the launcher chose the address of): nothing is read from environment variables, so a Ray
-actor, a test's spawned process and a benchmark's thread set up a group alike. A group of one
+The same code runs Gloo on CPU and NCCL on CUDA. A group is made from an explicit store: nothing is
+read from environment variables. The launcher serves a TCPStore (rank 0's host, port 0: the OS
+picks a free port, `store.port` tells which), hands host and port to the other ranks (a Ray call, a
+spawn argument), and every rank calls `CommGroup.init` with its own client of that store
+(distributed/launch.py does exactly this for local processes). A group of one
 (`CommGroup.single()`) never touches torch.distributed and every collective returns its input, so
 a model built for tensor parallelism runs unchanged at TP=1.
 
@@ -36,6 +38,10 @@ class CommStats:
 
 
 class CommGroup:
+    """This process's rank in a group of `world_size`. Every collective must be called by every
+    rank of the group, in the same order, with tensors of matching shapes (as torch.distributed
+    requires); a rank that stops calling stalls the others until the group's timeout."""
+
     def __init__(self, rank: int, world_size: int, pg=None, device: torch.device | None = None):
         if world_size > 1 and pg is None:
             raise ValueError("a group of several ranks needs a process group")
@@ -73,28 +79,8 @@ class CommGroup:
         )
         return cls(rank, world_size, dist.group.WORLD, device)
 
-    @classmethod
-    def connect(
-        cls, host: str, port: int, rank: int, world_size: int, backend: str = "auto", **kwargs
-    ) -> CommGroup:
-        """Rank 0 serves a TCPStore at host:port, the others connect to it; then `init`."""
-        timeout = datetime.timedelta(seconds=kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
-        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
-        return cls.init(store, rank, world_size, backend, **kwargs)
-
-    def split(self, partition: list[list[int]]) -> CommGroup:
-        """The subgroup of `partition` (disjoint rank lists covering the group) holding this rank.
-
-        Collective: every rank calls it with the same partition.
-        """
-        if self.world_size == 1:
-            return self
-        mine, _ = dist.new_subgroups_by_enumeration(partition)
-        members = next(ranks for ranks in partition if self.rank in ranks)
-        return CommGroup(members.index(self.rank), len(members), mine, self.device)
-
     def destroy(self) -> None:
-        if self.pg is not None and self.pg == dist.group.WORLD:
+        if self.pg is not None:
             dist.destroy_process_group()
         self.pg = None
 
@@ -147,7 +133,7 @@ class CommGroup:
         """In place: every rank's t becomes rank `src`'s (same shape and dtype on all)."""
         if self.world_size > 1:
             start = time.perf_counter()
-            dist.broadcast(t, src=self._global(src), group=self.pg)
+            dist.broadcast(t, src=src, group=self.pg)
             self._timed("broadcast", start)
         return t
 
@@ -174,6 +160,3 @@ class CommGroup:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.pg)
-
-    def _global(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.pg, group_rank) if self.pg != dist.group.WORLD else group_rank

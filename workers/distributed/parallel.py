@@ -98,6 +98,20 @@ class ParallelConfig:
     def moe_tp_size(self) -> int:
         return self.tp_size // self.ep_size
 
+    def ep_rank(self, tp_rank: int) -> int:
+        """The expert group of a rank: consecutive blocks of moe_tp_size ranks."""
+        return tp_rank // self.moe_tp_size
+
+    def moe_tp_rank(self, tp_rank: int) -> int:
+        """A rank's place in its expert group: which slice of each expert it holds."""
+        return tp_rank % self.moe_tp_size
+
+    def experts(self, num_experts: int, tp_rank: int) -> range:
+        """The expert ids whose (slices of) weights rank `tp_rank` holds."""
+        if num_experts < self.ep_size:
+            raise ValueError(f"{num_experts} experts cannot be spread over ep_size {self.ep_size}")
+        return range(*shard_range(num_experts, self.ep_size, self.ep_rank(tp_rank)))
+
 
 @dataclass(frozen=True)
 class Parallel:
@@ -126,17 +140,14 @@ class Parallel:
 
     @property
     def ep_rank(self) -> int:
-        return self.tp_rank // self.config.moe_tp_size
+        return self.config.ep_rank(self.tp_rank)
 
     @property
     def moe_tp_rank(self) -> int:
-        return self.tp_rank % self.config.moe_tp_size
+        return self.config.moe_tp_rank(self.tp_rank)
 
     def heads(self, num_heads: int, num_kv_heads: int) -> HeadSplit:
         return HeadSplit.of(num_heads, num_kv_heads, self.tp_size, self.tp_rank)
 
     def experts(self, num_experts: int) -> range:
-        """The expert ids whose (slices of) weights this rank holds."""
-        if num_experts < self.config.ep_size:
-            raise ValueError(f"{num_experts} experts cannot be spread over ep_size {self.config.ep_size}")
-        return range(*shard_range(num_experts, self.config.ep_size, self.ep_rank))
+        return self.config.experts(num_experts, self.tp_rank)
