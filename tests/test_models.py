@@ -120,6 +120,8 @@ TINY = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True}),
+    "mixtral": ("mixtral", {}),
 }
 
 
@@ -172,7 +174,8 @@ def test_llama3_rope_scaling_bands():
 
 
 @pytest.mark.parametrize("crossover", ["none", "16"])  # packed at all sizes; prefill on torch
-@pytest.mark.parametrize("name", ["qwen2", "llama3_rope_tied"])  # q/k/v biases; a tied LM head
+# q/k/v biases; a tied LM head; experts and a router of 8 outputs (half a packed strip)
+@pytest.mark.parametrize("name", ["qwen2", "llama3_rope_tied", "qwen3_moe"])
 def test_packed_bf16_projections_match_the_unpacked_model(tmp_path, monkeypatch, name, crossover):
     """bf16 models run their projections through the packed GEMM where the CPU has it; only the
     float32 summation order differs from torch's matmul, so the logits stay within bf16 noise."""

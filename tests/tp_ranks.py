@@ -14,11 +14,17 @@ from tests.model_driver import ModelDriver, make_batch
 
 
 def greedy_on_rank(
-    group: CommGroup, path: str | None, tp: int, ep: int, prompts: list[list[int]], new_tokens: int
+    group: CommGroup,
+    path: str | None,
+    tp: int,
+    ep: int,
+    prompts: list[list[int]],
+    new_tokens: int,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """This rank's shard of the model: the first prompt's logits (and the collectives of that one
     forward), greedy tokens batched, and batched with chunked prefill."""
-    loaded = load_model(path, dtype="float32", parallel=Parallel(ParallelConfig(tp, ep), group))
+    loaded = load_model(path, dtype=dtype, parallel=Parallel(ParallelConfig(tp, ep), group))
     driver = ModelDriver(loaded.model, loaded.config, num_slots=1024)
     group.stats.reset()
     logits = driver.logits_of(prompts[0])
@@ -30,6 +36,7 @@ def greedy_on_rank(
         "chunked": driver.greedy(prompts, new_tokens, chunk=5),
         "kv_heads": loaded.model.local_kv_heads,
         "params": sum(p.numel() for p in loaded.model.parameters()),
+        "packed": any(getattr(m, "packed", False) for m in loaded.model.modules()),
     }
 
 
