@@ -20,7 +20,7 @@ from radixserve.workers.models.loader import load_model
 from tests.engine_utils import hf_greedy
 from tests.model_driver import ModelDriver
 from tests.tiny_models import make_tiny_checkpoint
-from tests.tp_ranks import collectives_on_rank, greedy_on_rank
+from tests.tp_ranks import collectives_on_rank, greedy_on_rank, scheduled_greedy_on_rank
 
 torch.set_num_threads(1)
 
@@ -90,6 +90,7 @@ def test_collectives_on_two_ranks():
         assert out["all_to_all"] == ([0.0, 10.0, 10.0] if r == 0 else [1.0, 1.0, 11.0, 11.0, 11.0])
         assert out["broadcast"] == [1.0, 1.0]
         assert out["object"] == {"step": 7, "ids": [1, 2]}
+        assert out["stopped"]
         assert out["batch"] == {
             "input_ids": [5, 6, 7, 8],
             "positions": [2, 3, 4, 0],
@@ -101,13 +102,13 @@ def test_collectives_on_two_ranks():
             "mode": "extend",
             "lists": ([5, 1], [3, 1]),
         }
-    # broadcast_object and broadcast_batch are two broadcasts each, plus the explicit one.
+    # broadcast_object and broadcast_batch are two broadcasts each, the stop one, plus the explicit one.
     assert results[0]["calls"] == {
         "all_reduce": 1,
         "all_gather": 1,
         "reduce_scatter": 1,
         "all_to_all": 1,
-        "broadcast": 5,
+        "broadcast": 6,
     }
 
 
@@ -168,6 +169,15 @@ def test_tiny_tp2_equals_tp1(tmp_path, name, overrides, kv_heads):
     ranks = run_ranks(greedy_on_rank, 2, path, 2, 1, prompts, 6)
     _assert_ranks_equal_tp1(ranks, ref, 2)
     assert [r["kv_heads"] for r in ranks] == kv_heads
+
+
+def test_a_scheduling_rank_drives_its_followers_by_broadcast(tmp_path):
+    """Only rank 0 builds batches (chunked prefill, then decode); the others run whatever it
+    broadcasts until it broadcasts the stop."""
+    path = make_tiny_checkpoint(tmp_path, "qwen3")
+    prompts = _prompts((9, 20), seed=5)
+    ref = _tp1(path, prompts, 5)
+    assert run_ranks(scheduled_greedy_on_rank, 2, path, prompts, 5) == [ref["tokens"], None]
 
 
 def test_tiny_tp2_bf16_logits_stay_within_bf16_noise_of_tp1(tmp_path):

@@ -56,6 +56,8 @@ def collectives_on_rank(group: CommGroup) -> dict[str, Any]:
     out["object"] = group.broadcast_object({"step": 7, "ids": [1, 2]} if r == 0 else None)
     batch = make_batch(ForwardMode.EXTEND, [[5, 6, 7], [8]], [2, 0], [[1, 2, 3, 4, 5], [9]])
     got = broadcast_batch(group, batch if r == 0 else None)
+    assert got is not None
+    out["stopped"] = broadcast_batch(group, None) is None  # rank 0 ends the followers' loop
     out["batch"] = {
         name: getattr(got, name).tolist()
         for name in (
@@ -70,3 +72,35 @@ def collectives_on_rank(group: CommGroup) -> dict[str, Any]:
     } | {"mode": got.mode.value, "lists": (got.seq_lens_list, got.extend_lens_list)}
     out["calls"] = dict(group.stats.calls)
     return out
+
+
+class _Leader:
+    """The scheduling rank's model: every batch goes to the other ranks before it runs here."""
+
+    def __init__(self, model, group: CommGroup):
+        self.model, self.group = model, group
+        self.local_kv_heads = model.local_kv_heads
+
+    def __call__(self, batch, kv_pool):
+        broadcast_batch(self.group, batch)
+        return self.model(batch, kv_pool)
+
+
+def scheduled_greedy_on_rank(
+    group: CommGroup, path: str, prompts: list[list[int]], new_tokens: int
+) -> list[list[int]] | None:
+    """Rank 0 schedules (builds every batch) and broadcasts it; the others only follow: the loop a
+    tensor-parallel engine runs. Returns rank 0's greedy tokens."""
+    parallel = Parallel(ParallelConfig(group.world_size), group)
+    loaded = load_model(path, dtype="float32", parallel=parallel)
+    model, config = loaded.model, loaded.config
+    if group.rank == 0:
+        tokens = ModelDriver(_Leader(model, group), config, num_slots=512).greedy(
+            prompts, new_tokens, chunk=7
+        )
+        broadcast_batch(group, None)
+        return tokens
+    pool = ModelDriver(model, config, num_slots=512).pool  # the same pool shape as the leader's
+    while (batch := broadcast_batch(group)) is not None:
+        model(batch, pool)
+    return None

@@ -60,32 +60,33 @@ class ForwardBatch:
         return out
 
 
-def broadcast_batch(group: CommGroup, batch: ForwardBatch | None = None, src: int = 0) -> ForwardBatch:
-    """Rank `src`'s batch on every rank of `group` (the others pass None), as two broadcasts: the
-    sizes, then one int64 tensor holding every field. The tensors land on the group's device."""
+_STOP = -1  # the header's mode when the scheduling rank ends the followers' loop
+
+
+def broadcast_batch(group: CommGroup, batch: ForwardBatch | None = None, src: int = 0) -> ForwardBatch | None:
+    """Rank `src`'s batch on every rank of `group`: two broadcasts (the sizes, then one int64 tensor
+    of every field; the tensors land on the group's device). The other ranks pass nothing; `src`
+    passing None tells them to stop (they get None):
+
+        while (batch := broadcast_batch(group)) is not None:   # a following rank's loop
+            model(batch, kv_pool)
+    """
     if group.world_size == 1:
-        if batch is None:
-            raise ValueError("a group of one has no other rank to receive a batch from")
         return batch
-    header = torch.zeros(4, dtype=torch.int64, device=group.device)
-    if group.rank == src:
-        assert batch is not None
+    header = torch.full((4,), _STOP, dtype=torch.int64, device=group.device)
+    if group.rank == src and batch is not None:
         mode = list(ForwardMode).index(batch.mode)
         header.copy_(torch.tensor([mode, batch.batch_size, batch.num_tokens, batch.kv_indices.shape[1]]))
-    group.broadcast(header, src)
-    mode, b, t, width = header.tolist()
+    mode, b, t, width = group.broadcast(header, src).tolist()
+    if mode == _STOP:
+        return None
     sizes = [t, t, t, b, b, b * width, b]  # input_ids, positions, out_slots, seq_lens, extend, kv, logits
-    if group.rank == src:
-        assert batch is not None
+    if group.rank == src and batch is not None:
         fields = (batch.input_ids, batch.positions, batch.out_slots, batch.seq_lens, batch.extend_lens)
         flat = torch.cat([f.reshape(-1) for f in (*fields, batch.kv_indices, batch.logits_indices)])
-        flat = flat.to(device=group.device, dtype=torch.int64)
-    else:
-        flat = torch.empty(sum(sizes), dtype=torch.int64, device=group.device)
-    group.broadcast(flat, src)
-    if group.rank == src:
-        assert batch is not None
+        group.broadcast(flat.to(device=group.device, dtype=torch.int64), src)
         return batch
+    flat = group.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=group.device), src)
     ids, pos, slots, seq_lens, extend, kv, logits = flat.split(sizes)
     return ForwardBatch(
         mode=list(ForwardMode)[mode],
