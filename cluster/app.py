@@ -2,7 +2,8 @@
 
 `build_app` is the import path Ray Serve's own tooling calls (`serve run deploy/serve.yaml`,
 `radixserve.cluster.app:build_app`): it takes the flat argument dict of the YAML's `args:` and
-returns the bound application: the ingress in front of `dp` engine replicas.
+returns the bound application: the ingress in front of `dp` engine replicas. Each deployment is
+bound with its typed, frozen config (an `IngressConfig`, an `EngineConfig`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def replica_options(args: ServerArgs) -> dict[str, Any]:
         cpus = replica_cpu_share(args.deployment.dp)
     return {
         "num_replicas": args.deployment.dp,
+        "max_ongoing_requests": args.deployment.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": cpus},
         "request_router_config": router,
     }
@@ -55,13 +57,13 @@ def replica_cpu_share(dp: int) -> float:
 
 
 def build(args: ServerArgs) -> Application:
-    replicas = EngineReplica.options(**replica_options(args)).bind(args.engine_kwargs())
+    replicas = EngineReplica.options(**replica_options(args)).bind(args.engine)
     ingress = IngressDeployment.options(
         num_replicas=args.deployment.ingress_replicas,
+        max_ongoing_requests=args.deployment.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.deployment.ingress_num_cpus},
     )
-    routing = {"policy": args.policy_kwargs(), "sync_interval_s": args.router.router_sync_interval_s}
-    return ingress.bind(replicas, {**args.to_dict()}, routing)
+    return ingress.bind(replicas, args.ingress_config())
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 
 from radixserve.cluster.config import ServerArgs, parse_cli
+from radixserve.router.frontend.proxy import proxy_environment
 
 logger = logging.getLogger("radixserve")
 
@@ -45,13 +46,15 @@ def serve_forever(args: ServerArgs) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     started_ray = False
+    # Serve's proxy reads its limits from the environment Ray starts its workers with.
+    os.environ.update(proxy_environment(args.http))
     try:
         ray.init(address=address, include_dashboard=False, logging_level=level, configure_logging=True)
         # Ray's core worker installs its own SIGTERM handler (it aborts); ours must win.
         signal.signal(signal.SIGINT, _on_signal)
         signal.signal(signal.SIGTERM, _on_signal)
         started_ray = address is None
-        serve.start(http_options={"host": args.http.host, "port": args.http.port})
+        serve.start(http_options=args.http.serve_http_options())
         serve.run(build(args), name=args.deployment.app_name, route_prefix="/")
         print(
             f"RadixServe is ready at {args.url} ({args.deployment.dp} engine replica(s)); Ctrl-C stops it.",

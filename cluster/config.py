@@ -16,29 +16,9 @@ from typing import Any
 
 import yaml
 
+from radixserve.router.frontend.config import LOG_LEVELS, HTTPConfig, IngressConfig
 from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
 from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-@dataclass(frozen=True)
-class HTTPConfig:
-    """What the ingress needs: where it listens and what it accepts."""
-
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
-    log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.max_request_bytes < 1:
-            raise ValueError("max_request_bytes must be >= 1")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +29,9 @@ class DeploymentConfig:
     replica_num_cpus: float | None = None  # Ray CPUs per engine replica; None: a node's share
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.0  # the ingress is I/O bound; it must not starve the engines
+    # Serve's cap on one replica's requests in flight, ingress and engine replicas alike. The
+    # engine, not Serve, is the queue (max_queued_requests answers 503): this cap must not bind first.
+    max_ongoing_requests: int = 4096
     app_name: str = "radixserve"
     ray_address: str | None = None  # None: RAY_ADDRESS or a new local instance
 
@@ -57,8 +40,13 @@ class DeploymentConfig:
             raise ValueError("dp must be >= 1")
         if self.ingress_replicas < 1:
             raise ValueError("ingress_replicas must be >= 1")
+        if self.max_ongoing_requests < 1:
+            raise ValueError("max_ongoing_requests must be >= 1")
         if (self.replica_num_cpus is not None and self.replica_num_cpus < 0) or self.ingress_num_cpus < 0:
             raise ValueError("num_cpus must be >= 0")
+
+
+_POLICY = PolicyConfig()  # the policy knobs' defaults live there
 
 
 @dataclass(frozen=True)
@@ -66,9 +54,11 @@ class RouterConfig:
     """How the ingress chooses an engine replica (router/routing/policy.py, router/routing/request_router.py)."""
 
     router_policy: str | None = None  # None: cache_aware with dp > 1, else round_robin
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
+    cache_threshold: float = _POLICY.cache_threshold
+    min_match_tokens: int = _POLICY.min_match_tokens
+    load_cost_tokens: int = _POLICY.load_cost_tokens
+    balance_abs_threshold: int = _POLICY.balance_abs_threshold
+    balance_rel_threshold: float = _POLICY.balance_rel_threshold
     router_sync_interval_s: float = 5.0  # how often replicas' caches and loads correct the policy
 
     def __post_init__(self) -> None:
@@ -81,6 +71,8 @@ class RouterConfig:
         return {
             "policy": self.router_policy or default_policy,
             "cache_threshold": self.cache_threshold,
+            "min_match_tokens": self.min_match_tokens,
+            "load_cost_tokens": self.load_cost_tokens,
             "balance_abs_threshold": self.balance_abs_threshold,
             "balance_rel_threshold": self.balance_rel_threshold,
         }
@@ -135,9 +127,13 @@ class ServerArgs:
         """The routing policy's config: cache_aware is the default once there is a choice."""
         return self.router.policy_kwargs("cache_aware" if self.deployment.dp > 1 else "round_robin")
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `Engine(**kwargs)`."""
-        return dataclasses.asdict(self.engine)
+    def ingress_config(self) -> IngressConfig:
+        return IngressConfig(
+            http=self.http,
+            policy=PolicyConfig(**self.policy_kwargs()),
+            sync_interval_s=self.router.router_sync_interval_s,
+            server_args=tuple(self.to_dict().items()),
+        )
 
     @property
     def url(self) -> str:
@@ -154,20 +150,38 @@ HELP = {
     "mem_fraction_static": "share of memory for weights and the KV pool",
     "max_total_tokens": "KV pool size in tokens (wins over --mem-fraction-static)",
     "max_running_requests": "maximum requests in the running batch per replica",
-    "max_queued_requests": "waiting-queue limit per replica; beyond it requests get 503",
+    "max_queued_requests": "waiting-queue limit per replica, in sequences (a request with n=8 "
+    "counts 8); beyond it requests get 503",
     "chunked_prefill_size": "prefill chunk size in tokens (-1 disables chunking)",
     "schedule_policy": " | ".join(SCHEDULE_POLICIES),
     "disable_radix_cache": "turn prefix caching off",
     "radix_eviction_policy": "lru (least recently used leaf first) | lfu (least used, then least "
     "recently used: one-off suffixes go before shared prefixes)",
-    "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health",
+    "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health and /ready "
+    "(one shared tenant; its key opens the admin routes unless --admin-api-key is set)",
+    "api_keys_file": "YAML/JSON mapping of tenant name to key or list of keys ('acme: sk-1' lines); "
+    "each tenant gets its own prefix cache, routing and request ids (not with --api-key)",
+    "admin_api_key": "the key of the admin routes (/flush_cache), and of aborting any request "
+    "('<tenant>/<rid>')",
+    "max_request_bytes": "largest request body; beyond it 413",
+    "max_header_bytes": "largest request line + headers; beyond it 431",
+    "header_timeout_s": "a connection that has not sent a request's full headers in this time is closed",
+    "body_timeout_s": "a request body that pauses longer than this is dropped (408)",
+    "keep_alive_timeout_s": "idle keep-alive connections are closed after this",
+    "tokenizer_threads": "threads that tokenize prompts and render chat templates (off the event loop)",
     "dp": "number of engine replicas (data parallel)",
+    "max_ongoing_requests": "Serve's cap on one replica's requests in flight (keep it above the engine's "
+    "running + queued limits)",
     "replica_num_cpus": "Ray CPUs per engine replica, also its torch threads (default: the smallest "
     "node's CPUs split among the replicas it must hold)",
     "log_level": " | ".join(LOG_LEVELS),
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
     "router_policy": f"replica choice: {' | '.join(POLICY_NAMES)} (default: cache_aware if dp > 1)",
     "cache_threshold": "cache_aware: prefix match rate above which the matching replica wins",
+    "min_match_tokens": "cache_aware: ... and prefix match length (tokens) below which a match "
+    "never counts (a chat template's shared header is no reason to queue behind others)",
+    "load_cost_tokens": "cache_aware: matched tokens that pay for each request the matching "
+    "replica carries beyond the least loaded one (0: load never outweighs a match)",
     "balance_abs_threshold": "cache_aware: imbalanced if max load - min load exceeds this ...",
     "balance_rel_threshold": "... and max load exceeds min load times this",
     "router_sync_interval_s": "seconds between replica cache/load reports to the router",

@@ -28,6 +28,7 @@ import httpx
 
 from load_tests.bench_datasets import shared_prefix_dataset
 from load_tests.bench_serving import benchmark, print_table
+from radixserve.router.routing.policy import PolicyConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,9 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--radix-eviction-policy", default="lru", choices=("lru", "lfu"))
-    p.add_argument("--cache-threshold", type=float, default=0.3)
-    p.add_argument("--balance-abs-threshold", type=int, default=64)
-    p.add_argument("--balance-rel-threshold", type=float, default=1.5)
+    p.add_argument("--cache-threshold", type=float, default=PolicyConfig.cache_threshold)
+    p.add_argument("--min-match-tokens", type=int, default=PolicyConfig.min_match_tokens)
+    p.add_argument("--load-cost-tokens", type=int, default=PolicyConfig.load_cost_tokens)
+    p.add_argument("--balance-abs-threshold", type=int, default=PolicyConfig.balance_abs_threshold)
+    p.add_argument("--balance-rel-threshold", type=float, default=PolicyConfig.balance_rel_threshold)
     p.add_argument("--gsp-num-groups", type=int, default=12)
     p.add_argument("--gsp-prompts-per-group", type=int, default=8)
     p.add_argument("--gsp-system-prompt-len", type=int, default=600)
@@ -87,6 +90,8 @@ def deploy(policy: str, args: argparse.Namespace) -> None:
                 "max_running_requests": args.max_running_requests,
                 "radix_eviction_policy": args.radix_eviction_policy,
                 "cache_threshold": args.cache_threshold,
+                "min_match_tokens": args.min_match_tokens,
+                "load_cost_tokens": args.load_cost_tokens,
                 "balance_abs_threshold": args.balance_abs_threshold,
                 "balance_rel_threshold": args.balance_rel_threshold,
             }

@@ -2,6 +2,7 @@
 equality with the Hugging Face reference."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -111,11 +112,13 @@ def test_logprobs(engine):
         "The capital of France is",
         {"max_new_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2},
     )
+    # SGLang's triples: [logprob, token id, token text], alternatives best first.
     lps = out["meta_info"]["output_token_logprobs"]
     tops = out["meta_info"]["output_top_logprobs"]
-    assert [t for _, t in lps] == out["output_ids"]
-    for (lp, tok), top in zip(lps, tops):
-        assert len(top) == 2 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-4  # greedy = best
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    assert "".join(text for _, _, text in lps) == out["text"]
+    for (lp, tok, _), top in zip(lps, tops):
+        assert len(top) == 2 and top[0][1] == tok and abs(top[0][0] - lp) < 1e-4  # greedy = best
 
 
 def test_streaming_deltas_concatenate(engine):
@@ -145,6 +148,22 @@ def test_invalid_requests_are_refused(engine):
         engine.generate("hi", {"bogus": 1})
 
 
+def test_hostile_sampling_parameters_harm_nobody(engine, reference):
+    """A denormal temperature once made the sampler emit an id past the vocabulary and failed the
+    whole batch: now it means greedy, beside ordinary requests."""
+    ids, expected = reference
+    tiny = [dict(GREEDY, temperature=t) for t in (1e-45, 1e-44, 5e-7)]
+    outs = engine.generate(input_ids=ids[:3] + ids[:1], sampling_params=tiny + [GREEDY])
+    assert [o["output_ids"] for o in outs] == expected[:3] + expected[:1]
+    for params in (
+        {"repetition_penalty": 1e-45},
+        {"seed": 2**64},
+        {"min_new_tokens": 9, "max_new_tokens": 8},
+    ):
+        with pytest.raises(InvalidRequest):
+            engine.generate("hi", params)
+
+
 def test_abort_queued_and_running_frees_kv(engine):
     async def run():
         long = GenerateRequest(
@@ -165,24 +184,85 @@ def test_abort_queued_and_running_frees_kv(engine):
     wait_idle(engine)
 
 
-def test_queue_limit():
-    e = Engine(dtype="float32", max_total_tokens=2048, max_running_requests=1, max_queued_requests=1)
+@pytest.fixture(scope="module")
+def small():
+    """One sequence runs at a time and four may wait, over a 2048-token KV pool."""
+    e = Engine(
+        dtype="float32",
+        max_total_tokens=2048,
+        max_running_requests=1,
+        max_queued_requests=4,
+        chunked_prefill_size=512,
+    )
+    yield e
+    e.shutdown()
+
+
+def assert_nothing_left(e):
+    assert_kv_invariant(e)
+    inflight = e.core.inflight
+    assert not inflight.by_rid and not inflight.unsent and not inflight.streaming
+    assert not e._streams and e._open_sequences == 0 and e.num_queued() == 0
+
+
+def test_the_queue_counts_sequences_and_a_refusal_leaves_no_trace(small):
     params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
+    n = lambda k: dataclasses.replace(params, n=k)
 
     async def run():
-        a = e.submit(GenerateRequest([1, 2, 3], params, stream=True))
-        await a.__anext__()  # a is running
-        b = e.submit(GenerateRequest([4, 5, 6], params))  # waits in the queue
+        a = small.submit(GenerateRequest([1, 2, 3], params, stream=True))
+        await a.__anext__()  # a's sequence is running
+        b = small.submit(GenerateRequest([4, 5, 6], n(3)))  # three sequences wait
+        assert small.num_queued() == 3
+        refused = [GenerateRequest([7, 8, 9], n(2), stream=True), GenerateRequest([7], n(5))]
         with pytest.raises(QueueFull):
-            e.submit(GenerateRequest([7, 8, 9], params))
-        e.abort(a.rid)
-        e.abort(b.rid)
-        return [c async for c in a], [c async for c in b]
+            small.submit(refused[0])  # 3 + 2 > 4
+        with pytest.raises(InvalidRequest) as e:
+            small.submit(refused[1])  # could never be queued
+        assert e.value.param == "n"
+        c = small.submit(GenerateRequest([10, 11], params, stream=True))  # 3 + 1 == 4
+        assert small.num_queued() == 4
+        with pytest.raises(QueueFull):
+            small.submit(GenerateRequest([12], params))
+        assert not {r.rid for r in refused} & set(small._streams)
+        for s in (a, b, c):
+            small.abort(s.rid)
+        return [[chunk async for chunk in s] for s in (a, b, c)]
 
-    try:
-        rest_a, rest_b = asyncio.run(run())
-        assert rest_a[-1].finish_reason["type"] == "abort"
-        assert rest_b[-1].finish_reason["type"] == "abort"
-        assert_kv_invariant(e)
-    finally:
-        e.shutdown()
+    rest_a, rest_b, rest_c = asyncio.run(run())
+    assert rest_a[-1].finish_reason["type"] == "abort"
+    assert [c.finish_reason["type"] for c in rest_b] == ["abort"] * 3
+    assert rest_c[-1].finish_reason["type"] == "abort"
+    wait_idle(small)
+    assert_nothing_left(small)  # the refused streaming request is not in `streaming` either
+
+
+def test_requests_that_cannot_fit_the_kv_pool_are_refused_at_once(small):
+    with pytest.raises(InvalidRequest) as e:
+        small.generate(input_ids=[5] * 1500, sampling_params={"max_new_tokens": 1000, "temperature": 0})
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    assert e.value.message == (
+        "the prompt (1500 tokens) and the completion (1000 tokens) do not fit in this replica's KV "
+        "cache (2048 tokens); reduce the prompt or the completion length"
+    )
+    prompt = [100 + i % 3000 for i in range(2041)]
+    with pytest.raises(InvalidRequest):  # 2041 + 9 - 1 slots: one too many
+        small.generate(input_ids=prompt, sampling_params={"max_new_tokens": 9, "temperature": 0})
+    with pytest.raises(InvalidRequest) as e:
+        small.generate(input_ids=prompt * 2, sampling_params={"max_new_tokens": 1})
+    assert e.value.param == "prompt"
+    # Exactly the whole pool: it runs to the end.
+    out = small.generate(
+        input_ids=prompt[:2040], sampling_params={"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}
+    )
+    assert out["meta_info"]["completion_tokens"] == 9
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert_nothing_left(small)
+
+
+def test_make_reqs_touches_no_engine_state(small):
+    reqs = small.core.make_reqs(
+        GenerateRequest([1, 2, 3], SamplingParams(n=2, regex="(unclosed"), stream=True, rid="pure")
+    )
+    assert [r.key for r in reqs] == ["pure#0", "pure#1"]  # the grammar is checked later, off-loop
+    assert_nothing_left(small)

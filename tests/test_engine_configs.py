@@ -50,8 +50,9 @@ def test_radix_cache_reuses_prefix_with_identical_output(baseline):
         dict(chunked_prefill_size=48, page_size=4),
         dict(chunked_prefill_size=32, schedule_policy="fcfs"),
         dict(chunked_prefill_size=64, schedule_policy="dfs-weight"),
+        dict(chunked_prefill_size=64, schedule_policy="dfs-weight", disable_radix_cache=True),
     ],
-    ids=["chunk16", "chunk48-page4", "fcfs", "dfs-weight"],
+    ids=["chunk16", "chunk48-page4", "fcfs", "dfs-weight", "dfs-weight-no-cache"],
 )
 def test_chunking_pages_and_policies_keep_output(baseline, kwargs):
     outs, _, _ = run(max_total_tokens=16384, **kwargs)

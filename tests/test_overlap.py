@@ -38,7 +38,7 @@ def invariant(engines):
     yield
     for e in engines:
         assert_kv_invariant(e)
-        assert not e.core.outputs.pending and not e.core.unsent and not e.core.by_rid
+        assert not e.core.outputs.pending and not e.core.inflight.unsent and not e.core.inflight.by_rid
 
 
 def generated(e):
@@ -183,11 +183,10 @@ def test_step_stats_report_hidden_host_time(engines):
     assert off["decode_text_ms_avg"] > 0 and off["decode_forward_ms_avg"] > 0
 
 
-def test_auto_mode_per_device():
-    assert EngineConfig().overlap_for("cpu") is False
-    assert EngineConfig().overlap_for("cuda") is True
-    assert EngineConfig(enable_overlap=True).overlap_for("cpu") is True
-    assert EngineConfig(enable_overlap=False).overlap_for("cuda") is False
+def test_overlap_is_off_unless_asked_for():
+    assert EngineConfig().overlap is False
+    assert EngineConfig(enable_overlap=True).overlap is True
+    assert EngineConfig(enable_overlap=False).overlap is False
 
 
 @pytest.mark.parametrize("overlap,thread", [(True, "radixserve-forward"), (False, "radixserve-engine")])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from radixserve.workers.mem_cache.kv_pool import KVPool
-from radixserve.workers.mem_cache.prefix_cache import NullCache, kv_invariant_ok
+from radixserve.workers.mem_cache.prefix_cache import NullCache, PrefixCache, kv_invariant_ok
 from radixserve.workers.mem_cache.radix_cache import RadixCache, _common_len
 
 
@@ -461,7 +461,7 @@ def test_tensor_keys_and_slots_are_accepted():
     cache.check_integrity()
 
 
-def test_cached_prefixes_most_recent_first_within_budget():
+def test_cached_paths_most_recent_first_within_budget():
     pool = KVPool(1, 1, 1, 64)
     cache = RadixCache(pool)
     for key in ([1, 2, 3, 4], [1, 2, 9], [5, 6]):
@@ -469,9 +469,10 @@ def test_cached_prefixes_most_recent_first_within_budget():
         slots = m.slots + pool.alloc(len(key) - len(m.slots))
         cache.lock(m.node)
         cache.cache_finished(key, slots, m.node)
-    assert cache.cached_prefixes(100) == [[5, 6], [1, 2, 9], [1, 2, 3, 4]]
-    assert cache.cached_prefixes(5) == [[5, 6], [1, 2, 9]]
-    assert NullCache(pool).cached_prefixes(10) == []
+    assert cache.cached_paths(100) == [(None, [5, 6]), (None, [1, 2, 9]), (None, [1, 2, 3, 4])]
+    assert cache.cached_paths(5) == [(None, [5, 6]), (None, [1, 2, 9])]
+    assert NullCache(pool).cached_paths(10) == []
+    assert "cached_paths" in PrefixCache.__abstractmethods__  # every prefix cache answers it
 
 
 def test_lfu_evicts_one_off_suffixes_before_a_shared_prefix_used_longer_ago():
@@ -497,3 +498,17 @@ def test_lfu_evicts_one_off_suffixes_before_a_shared_prefix_used_longer_ago():
     assert orders["lfu"] == [[5, 6, 7], [8, 9, 10], [3], [1, 2]]
     with pytest.raises(ValueError, match="eviction_policy"):
         RadixCache(pool, eviction_policy="fifo")
+
+
+def test_cached_paths_name_each_path_s_namespace():
+    pool = KVPool(1, 1, 1, 64)
+    cache = RadixCache(pool)
+    for key, namespace in (([1, 2, 3], None), ([1, 2, 3], "acme"), ([1, 2, 7], "acme")):
+        m = cache.match_prefix(key, namespace)
+        slots = m.slots + pool.alloc(len(key) - len(m.slots))
+        cache.lock(m.node)
+        cache.cache_finished(key, slots, m.node, namespace)
+    assert cache.cached_paths(100) == [("acme", [1, 2, 7]), ("acme", [1, 2, 3]), (None, [1, 2, 3])]
+    assert [p for _, p in cache.cached_paths(100)] == [[1, 2, 7], [1, 2, 3], [1, 2, 3]]
+    assert NullCache(pool).cached_paths(10) == []
+    cache.check_integrity()

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 KV_TOTAL = 2048
 SYNC_S = 1.0
-SETTLE_S = 2 * SYNC_S + 1.0  # every ingress has applied a report taken after the last request
+DP = 2
+INGRESSES = 2
 WORDS = (
     "river garden music window table paper market light voice field song planet ocean "
     "bridge engine signal winter summer forest island mountain letter picture"
@@ -30,8 +31,8 @@ WORDS = (
 @pytest.fixture(scope="module")
 def http():
     args = {
-        "dp": 2,
-        "ingress_replicas": 2,
+        "dp": DP,
+        "ingress_replicas": INGRESSES,
         "replica_num_cpus": 0.5,
         "max_total_tokens": KV_TOTAL,
         "num_threads": 1,
@@ -78,6 +79,32 @@ def requests_per_replica(http: httpx.Client) -> dict[str, int]:
     return {r["replica_id"]: r["num_requests_total"] for r in info["replicas"]}
 
 
+def wait_for_every_ingress(http: httpx.Client, ok, what: str, timeout: float = 60.0) -> None:
+    """Poll /get_server_info (each call lands on some ingress) until the latest router view of
+    every ingress satisfies ok(view, the first view seen of that ingress)."""
+    first: dict[str, dict] = {}
+    latest: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        view = http.get("/get_server_info").json()["router"]
+        first.setdefault(view["instance_id"], view)
+        latest[view["instance_id"]] = view
+        if len(latest) == INGRESSES and all(ok(v, first[i]) for i, v in latest.items()):
+            return
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {latest}"
+        time.sleep(0.2)
+
+
+def settle(http: httpx.Client) -> None:
+    """Until every ingress has applied each replica's report from a round started after now (a
+    round in flight when first seen adds at most DP; the next one starts after it)."""
+
+    def next_round_applied(view: dict, start: dict) -> bool:
+        return view["summaries_applied_total"] >= start["summaries_applied_total"] + 2 * DP
+
+    wait_for_every_ingress(http, next_round_applied, "a full round of replica reports")
+
+
 def serve_one(http: httpx.Client, group: int, question: int) -> tuple[str, int]:
     """Send one request; returns (the replica that served it, its cached tokens)."""
     before = requests_per_replica(http)
@@ -91,7 +118,7 @@ def serve_one(http: httpx.Client, group: int, question: int) -> tuple[str, int]:
 def test_requests_sharing_a_prefix_land_on_one_replica(http):
     first, cached = serve_one(http, group=1, question=0)
     assert cached == 0
-    time.sleep(SETTLE_S)  # the other ingress learns where group 1 lives from the reports
+    settle(http)  # the other ingress learns where group 1 lives from the reports
     prompts = [token_ids(http, 1, 0)]
     for q in range(1, 5):
         replica, cached = serve_one(http, group=1, question=q)
@@ -109,7 +136,7 @@ def test_different_prefixes_spread_over_both_replicas(http):
     home = {}
     for group in (2, 3, 4):
         home[group], cached = serve_one(http, group, question=0)
-        time.sleep(SETTLE_S)
+        settle(http)
     replicas = set(requests_per_replica(http))
     assert set(home.values()) == replicas  # both replicas took new groups
     for group in (2, 3, 4):
@@ -148,11 +175,6 @@ def kill_replica(replica_id: str) -> None:
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
 
-def router_views(http: httpx.Client, n: int = 6) -> list[dict]:
-    """Router snapshots from several /get_server_info calls (spread over both ingresses)."""
-    return [http.get("/get_server_info").json()["router"] for _ in range(n)]
-
-
 def test_killing_a_replica_does_not_stop_the_service(http):
     victim, _ = serve_one(http, group=1, question=10)
     survivor = next(r for r in requests_per_replica(http) if r != victim)
@@ -160,25 +182,14 @@ def test_killing_a_replica_does_not_stop_the_service(http):
     # Group 1 lived on the victim: its requests must now be served (by the survivor).
     for q in range(11, 15):
         assert ask(http, 1, q)["choices"][0]["finish_reason"] in ("length", "stop")
-    deadline = time.monotonic() + 60
-    while True:  # every ingress drops the dead replica (its own failure or Serve's update)
-        views = router_views(http)
-        gone = all(
-            victim not in v["replicas"]
-            and victim not in v["in_flight"]
-            and victim not in v["tree_tokens_by_replica"]
-            for v in views
-        )
-        if gone:
-            break
-        assert time.monotonic() < deadline, views
-        time.sleep(1.0)
+
+    def gone(view: dict, first: dict) -> bool:  # its own failure or Serve's update
+        return all(victim not in view[k] for k in ("replicas", "in_flight", "tree_tokens_by_replica"))
+
+    wait_for_every_ingress(http, gone, "every ingress to drop the dead replica")
     # Serve replaces the dead replica; the new one joins the policy and takes new groups.
-    deadline = time.monotonic() + 90
-    while len(requests_per_replica(http)) < 2 or len(router_views(http)[0]["replicas"]) < 2:
-        assert time.monotonic() < deadline, "the replacement replica never joined"
-        time.sleep(1.0)
+    wait_for_every_ingress(http, lambda v, _: len(v["replicas"]) == DP, "the replacement", timeout=90)
     replacement = next(r for r in requests_per_replica(http) if r not in (victim, survivor))
-    time.sleep(SETTLE_S)
+    settle(http)
     homes = {serve_one(http, group, question=0)[0] for group in (20, 21)}
     assert replacement in homes

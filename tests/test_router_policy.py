@@ -30,6 +30,105 @@ def test_defaults_follow_sglang_router():
     cfg = PolicyConfig()
     assert (cfg.policy, cfg.cache_threshold, cfg.balance_abs_threshold) == ("cache_aware", 0.3, 64)
     assert cfg.balance_rel_threshold == 1.5
+    assert (cfg.min_match_tokens, cfg.load_cost_tokens) == (64, 64)
+
+
+QUESTIONS = [
+    "What is 2+2?",
+    "Name a color.",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "How far is the Moon?",
+    "Translate 'cat' to French.",
+    "Give me a prime number.",
+    "Who wrote Hamlet?",
+    "List three fruits.",
+    "Is water wet?",
+    "Define entropy briefly.",
+    "Spell 'necessary'.",
+    "Count to five.",
+    "Can penguins fly?",
+    "Suggest a dog name.",
+    "Explain recursion in one line.",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_prompts():
+    """The 16 questions as SmolLM2's chat template renders them: they share only its header."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import smollm2_tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]  # as the ingress encodes
+
+
+def common_prefix_len(prompts):
+    n = 0
+    while all(len(p) > n and p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
+def test_short_chat_prompts_sharing_only_the_template_header_spread(chat_prompts):
+    header = common_prefix_len(chat_prompts)
+    assert header == 24 and all(30 <= len(p) <= 45 for p in chat_prompts)
+    # SGLang's rule alone: the header is a 24 / ~35 match (> 0.3), so the burst piles onto "a".
+    sglang = make_policy("cache_aware", min_match_tokens=0, load_cost_tokens=0)
+    burst = [sglang.route(p, sglang.loads(["a", "b"])) for p in chat_prompts]
+    assert [d.replica_id for d in burst] == ["a"] * 16
+    assert [d.reason for d in burst] == ["cache_miss"] + ["cache_hit"] * 15
+    # The defaults: a 24-token match never counts, so each request goes to the least loaded
+    # replica (ties: the one claiming fewer tokens), and every pair splits: 8 / 8.
+    policy = make_policy("cache_aware")
+    burst = [policy.route(p, policy.loads(["a", "b"])) for p in chat_prompts]
+    chosen = [d.replica_id for d in burst]
+    assert chosen[:2] == ["a", "b"]
+    assert all({chosen[k], chosen[k + 1]} == {"a", "b"} for k in range(0, 16, 2))
+    assert [d.reason for d in burst] == ["cache_miss"] * 16
+    assert [d.matched_tokens for d in burst] == [0, 0] + [header] * 14  # seen, and ignored
+    assert policy.snapshot()["in_flight"] == {"a": 8, "b": 8}
+
+
+def test_a_match_counts_from_min_match_tokens_on():
+    policy = make_policy("cache_aware", min_match_tokens=64)
+    policy.on_dispatch(list(range(64)), "a")
+    policy.on_complete("a", list(range(64)))
+    short = list(range(63)) + [999] * 10  # 63 / 73 > 0.3, but 63 < 64 tokens
+    assert policy.choose(short, idle("a", "b")) == Decision("b", 0, "cache_miss")
+    enough = list(range(64)) + [999] * 10
+    assert policy.choose(enough, idle("a", "b")) == Decision("a", 64, "cache_hit")
+
+
+def test_each_request_of_extra_load_costs_load_cost_tokens_of_match():
+    policy = make_policy("cache_aware", load_cost_tokens=50)
+    policy.on_dispatch(SYSTEM[:200], "a")
+    policy.on_complete("a", SYSTEM[:200])
+    p = prompt(1)  # matches 200 tokens on "a"
+    # a carries 4 requests more than b: 200 >= 50 * 4, the match pays for them.
+    paid = [ReplicaLoad("a", in_flight=5), ReplicaLoad("b", in_flight=1)]
+    assert policy.choose(p, paid) == Decision("a", 200, "cache_hit")
+    # 5 more: 200 < 250, the least loaded takes it (and will hold the prefix from now on).
+    unpaid = [ReplicaLoad("a", in_flight=6), ReplicaLoad("b", in_flight=1)]
+    assert policy.choose(p, unpaid) == Decision("b", 0, "cache_miss")
+    # Two matching replicas: the best match net of its load wins, not the longest match.
+    policy.on_dispatch(SYSTEM[:150], "c")
+    three = [ReplicaLoad("a", in_flight=3), ReplicaLoad("b", 2), ReplicaLoad("c", in_flight=1)]
+    assert policy.choose(p, three) == Decision("c", 150, "cache_hit")  # 150 - 50 > 200 - 150
+    # A hot prefix spreads once its replica is loaded enough: a burst of equal prompts.
+    burst = make_policy("cache_aware", load_cost_tokens=50)
+    burst.on_dispatch(SYSTEM[:200], "a")
+    burst.on_complete("a", SYSTEM[:200])
+    tails = [list(range(90_000 + 100 * i, 90_000 + 100 * i + 20)) for i in range(11)]
+    chosen = [burst.route(SYSTEM[:200] + t, burst.loads(["a", "b"])).replica_id for t in tails]
+    # a takes 5 (loads 0..4: 200 >= 50 * 4); then b, which holds the prefix from then on, wins
+    # on net score until the loads are equal again (5 / 5: ties to the lowest id).
+    assert chosen == ["a"] * 5 + ["b"] * 5 + ["a"]
 
 
 def test_shared_prefix_sticks_to_one_replica_and_new_prefixes_spread():
@@ -55,7 +154,8 @@ def test_new_prefix_goes_to_the_least_loaded():
 
 
 def test_match_rate_must_exceed_the_cache_threshold():
-    policy = make_policy("cache_aware", cache_threshold=0.5)
+    # The rate rule alone: no minimum length, and load never outweighs a match.
+    policy = make_policy("cache_aware", cache_threshold=0.5, min_match_tokens=0, load_cost_tokens=0)
     policy.on_dispatch(list(range(100)), "a")
     loads = [ReplicaLoad("a", in_flight=2), ReplicaLoad("b", in_flight=1)]
     at_threshold = list(range(50)) + list(range(900, 950))  # 50 / 100 is not > 0.5
@@ -65,7 +165,8 @@ def test_match_rate_must_exceed_the_cache_threshold():
 
 
 def test_imbalance_falls_back_to_the_least_loaded_despite_a_match():
-    policy = make_policy("cache_aware")  # abs 64, rel 1.5
+    # SGLang's thresholds alone (abs 64, rel 1.5): load weighs nothing below them.
+    policy = make_policy("cache_aware", load_cost_tokens=0)
     policy.on_dispatch(prompt(1), "a")
     p = prompt(500)
     busy = [ReplicaLoad("a", in_flight=100), ReplicaLoad("b", in_flight=30)]
@@ -137,7 +238,7 @@ def test_replica_events_and_summaries_correct_the_tree():
     assert policy.choose(prompt(2), idle("a", "b")) == Decision("b", 400, "cache_hit")
     mark = policy.sync_point()
     policy.on_dispatch(list(range(60_000, 60_100)), "b")  # routed while the report travels
-    policy.on_replica_summary("b", [SYSTEM[:300]], keep_newer_than=mark)
+    policy.on_replica_summary("b", [(None, SYSTEM[:300])], keep_newer_than=mark)
     assert policy.choose(prompt(2), idle("a", "b")) == Decision("b", 300, "cache_hit")
     assert policy.choose(list(range(60_000, 60_100)), idle("a", "b")).replica_id == "b"
 
@@ -212,6 +313,26 @@ def test_loads_combine_own_in_flight_with_replica_reports():
     assert [r.load for r in loads] == [1, 7]
 
 
+def test_namespaces_neither_attract_nor_see_each_other():
+    policy = make_policy("cache_aware")
+    assert policy.route(prompt(1), idle("a", "b"), namespace="acme") == Decision("a", 0, "cache_miss")
+    policy.on_complete("a", prompt(1), [5, 6], namespace="acme")
+    # The same prompt from another tenant, or from the shared namespace, matches nothing there:
+    # it goes where a new prefix goes (b claims fewer tokens).
+    assert policy.choose(prompt(1), idle("a", "b"), namespace="globex") == Decision("b", 0, "cache_miss")
+    assert policy.choose(prompt(1), idle("a", "b")) == Decision("b", 0, "cache_miss")
+    assert policy.choose(prompt(2), idle("a", "b"), namespace="acme") == Decision("a", 400, "cache_hit")
+    policy.route(prompt(1), idle("a", "b"), namespace="globex")
+    snap = policy.snapshot()
+    assert snap["tree_tokens_by_replica"] == {"a": 422, "b": 420}
+    assert snap["tree_tokens"] == 842  # equal tokens in two namespaces are stored twice
+    # A replica's summary corrects every namespace it names, and only its own claims.
+    policy.on_replica_summary("a", [("acme", SYSTEM[:300]), (None, SYSTEM[:200])])
+    assert policy.choose(prompt(3), idle("a", "b"), namespace="acme") == Decision("a", 300, "cache_hit")
+    assert policy.choose(prompt(3), idle("a", "b")) == Decision("a", 200, "cache_hit")
+    assert policy.choose(prompt(3), idle("a", "b"), namespace="globex") == Decision("b", 400, "cache_hit")
+
+
 def test_bad_names_config_and_empty_candidates_are_rejected():
     with pytest.raises(ValueError, match="unknown router policy"):
         make_policy("fastest")
@@ -219,6 +340,8 @@ def test_bad_names_config_and_empty_candidates_are_rejected():
         make_policy("cache_aware", cache_threshold=1.5)
     with pytest.raises(ValueError):
         make_policy("cache_aware", balance_rel_threshold=0.5)
+    with pytest.raises(ValueError, match="min_match_tokens"):
+        make_policy("cache_aware", load_cost_tokens=-1)
     with pytest.raises(NoReplicaAvailable):
         make_policy("cache_aware").route([1], [])
     assert isinstance(make_policy(policy="cache_aware"), CacheAwarePolicy)

@@ -7,7 +7,7 @@ from ray.serve.request_router import PendingRequest
 
 from radixserve.cluster.config import ServerArgs, parse_cli
 from radixserve.router.routing.policy import Decision, PolicyConfig
-from radixserve.router.routing.request_router import prompt_ids
+from radixserve.router.routing.request_router import Prompt, routed_prompt
 from radixserve.router.routing.routing_state import PROVISIONAL_TTL_S, RoutingState, routing_state
 from radixserve.workers.protocol import ReplicaStats
 
@@ -89,15 +89,33 @@ def test_summary_replaces_claims_but_keeps_running_prompts():
     state = make_state("a", "b")
     state.on_dispatch("r1", prompt(1), "a")
     state.on_complete("r1", "a")
-    state.on_dispatch("r2", [7] * 50, "a")  # still running: the report predates its insert
+    state.on_dispatch("r2", [7] * 80, "a")  # still running: the report predates its insert
     point = state.sync_point()
     other = list(range(5000, 5100))
-    assert state.apply_report(ReplicaStats(replica_id="a", kv_total=4096), [other], point)
+    assert state.apply_report(ReplicaStats(replica_id="a", kv_total=4096), [(None, other)], point)
     # prompt(1) left "a"'s claims; "a" still runs r2, so the idle "b" takes the miss.
     assert state.choose(prompt(2), ["a", "b"]) == Decision("b", 0, "cache_miss")
     assert state.choose(other + [1], ["a", "b"]) == Decision("a", 100, "cache_hit")
-    assert state.choose([7] * 50 + [1], ["a", "b"]) == Decision("a", 50, "cache_hit")
+    assert state.choose([7] * 80 + [1], ["a", "b"]) == Decision("a", 80, "cache_hit")
     assert state.snapshot()["summaries_applied_total"] == 1
+
+
+def test_requests_and_reports_keep_their_namespaces():
+    state = make_state("a", "b")
+    assert state.route("r1", prompt(1), ["a", "b"], "acme") == Decision("a", 0, "cache_miss")
+    state.on_dispatch("r1", prompt(1), "a", "acme")
+    assert state.choose(prompt(2), ["a", "b"], "acme") == Decision("a", 300, "cache_hit")
+    assert state.choose(prompt(2), ["a", "b"]) == Decision("b", 0, "cache_miss")
+    # a's report lists a shared prefix only; the running acme prompt still counts as a's.
+    point = state.sync_point()
+    shared = list(range(7000, 7100))
+    assert state.apply_report(ReplicaStats(replica_id="a"), [(None, shared)], point)
+    assert state.choose(prompt(2), ["a", "b"], "acme") == Decision("a", 300, "cache_hit")
+    assert state.choose(shared, ["a", "b"], "acme") == Decision("b", 0, "cache_miss")
+    assert state.choose(shared, ["a", "b"]) == Decision("a", 100, "cache_hit")
+    state.on_complete("r1", "a")  # recorded in acme's tree, where it ran
+    state.apply_report(ReplicaStats(replica_id="a"), [(None, shared)], state.sync_point())
+    assert state.choose(prompt(2), ["a", "b"], "acme") == Decision("b", 0, "cache_miss")
 
 
 def test_claims_made_after_the_sync_point_survive_the_report():
@@ -138,7 +156,7 @@ def test_removed_replica_leaves_the_policy_and_cannot_come_back():
     # Late news about "a" changes nothing.
     state.on_complete("r1", "a")
     state.on_dispatch("r3", prompt(3), "a")
-    assert not state.apply_report(ReplicaStats(replica_id="a"), [prompt(1)], 0)
+    assert not state.apply_report(ReplicaStats(replica_id="a"), [(None, prompt(1))], 0)
     assert "a" not in state.snapshot()["tree_tokens_by_replica"]
     state.remove_replica("b")  # Serve saw its actor die
     snap = state.snapshot()
@@ -156,13 +174,16 @@ def pending(method: str, *args, **kwargs) -> PendingRequest:
     return PendingRequest(list(args), kwargs, RequestMetadata("id", "internal", call_method=method))
 
 
-async def test_prompt_ids_only_from_generate_calls():
+async def test_routed_prompt_only_from_generate_calls():
     # Serve's PendingRequest makes an asyncio.Future: it lives on a running loop, as in Serve.
-    assert prompt_ids(pending("generate", {"input_ids": [1, 2], "rid": "x"})) == [1, 2]
-    assert prompt_ids(pending("generate", request={"input_ids": [3]})) == [3]
-    assert prompt_ids(pending("model_card")) is None
-    assert prompt_ids(pending("generate", {"input_ids": []})) is None
-    assert prompt_ids(None) is None
+    assert routed_prompt(pending("generate", {"input_ids": [1, 2], "rid": "x"})) == Prompt(None, [1, 2])
+    assert routed_prompt(pending("generate", request={"input_ids": [3]})) == Prompt(None, [3])
+    tenant = {"input_ids": [4], "namespace": "acme"}
+    assert routed_prompt(pending("generate", tenant)) == Prompt("acme", [4])
+    assert routed_prompt(pending("generate", {"input_ids": [4], "namespace": 7})) == Prompt(None, [4])
+    assert routed_prompt(pending("model_card")) is None
+    assert routed_prompt(pending("generate", {"input_ids": []})) is None
+    assert routed_prompt(None) is None
 
 
 def test_router_flags():
@@ -174,6 +195,10 @@ def test_router_flags():
             "power_of_two",
             "--cache-threshold",
             "0.5",
+            "--min-match-tokens",
+            "16",
+            "--load-cost-tokens",
+            "0",
             "--balance-abs-threshold",
             "8",
             "--balance-rel-threshold",
@@ -185,6 +210,8 @@ def test_router_flags():
     assert a.policy_kwargs() == {
         "policy": "power_of_two",
         "cache_threshold": 0.5,
+        "min_match_tokens": 16,
+        "load_cost_tokens": 0,
         "balance_abs_threshold": 8,
         "balance_rel_threshold": 2.0,
     }
@@ -195,5 +222,7 @@ def test_router_flags():
         ServerArgs.from_dict({"router_policy": "fastest"})
     with pytest.raises(ValueError, match="cache_threshold"):
         ServerArgs.from_dict({"cache_threshold": 1.5})
+    with pytest.raises(ValueError, match="min_match_tokens"):
+        ServerArgs.from_dict({"min_match_tokens": -1})
     with pytest.raises(SystemExit):
         parse_cli(["--router-policy", "fastest"])

@@ -1,4 +1,4 @@
-"""Sampler: exact logits processing, filters that never leak, reproducible seeded draws, masks."""
+"""Sampler: exact logits processing, filters that never leak, reproducible seeded draws."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixserve.workers.protocol import SamplingParams
-from radixserve.workers.sampling.sampler import Sampler, SamplerRow
+from radixserve.workers.sampling.sampler import MIN_LOGPROB, Sampler, SamplerRow
 
 torch.set_num_threads(2)
 
@@ -211,46 +211,6 @@ def test_logprobs_come_from_the_raw_distribution_best_first():
     assert out.logprobs[2].top == []
 
 
-def pack_xgrammar(allowed: torch.Tensor) -> torch.Tensor:
-    """bool [B, N] -> int32 [B, ceil(N/32)], bit j of word i = token 32*i + j."""
-    B, N = allowed.shape
-    words = math.ceil(N / 32)
-    bits = torch.zeros(B, words * 32, dtype=torch.int64)
-    bits[:, :N] = allowed.long()
-    packed = (bits.view(B, words, 32) << torch.arange(32)).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_vocab_mask_restricts_choices(packed):
-    s = make_sampler()
-    allowed_ids = [3, 17, 31, 32, 63, 69]
-    allowed = torch.zeros(2, PADDED, dtype=torch.bool)
-    allowed[0, allowed_ids] = True
-    allowed[1, :] = True  # a row without a grammar
-    mask = pack_xgrammar(allowed) if packed else allowed
-    raw = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
-    greedy = s.prepare([row(temperature=0.0), row(temperature=0.0)])
-    best = max(allowed_ids, key=lambda t: raw[0, t].item())
-    assert s.sample(padded(raw), greedy, mask).token_ids == [best, raw[1].argmax().item()]
-    n = 400  # the grammar row repeated: one batch of independent draws
-    sampled = s.prepare([row(temperature=2.0) for _ in range(n)])
-    tokens = s.sample(padded(raw)[:1].expand(n, -1), sampled, mask[:1].expand(n, -1)).token_ids
-    assert set(tokens) == set(allowed_ids)
-
-
-def test_packed_mask_layout_matches_xgrammar():
-    xgr = pytest.importorskip("xgrammar")
-    s = make_sampler()
-    bitmask = xgr.allocate_token_bitmask(1, V)
-    bitmask[0] = torch.tensor([(1 << 3) | -(1 << 31), 1 << 8, 1 << 5], dtype=torch.int32)
-    ours = s.process_logits(torch.zeros(1, PADDED), s.prepare([row()]), bitmask)
-    theirs = torch.zeros(1, PADDED)
-    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=V)
-    assert torch.equal(ours, theirs[:, :V])
-    assert (ours[0] == 0).nonzero().flatten().tolist() == [3, 31, 40, 69]
-
-
 @pytest.mark.parametrize("candidates", [8, 64])
 def test_top_p_candidates_equal_the_full_sort(candidates):
     from radixserve.workers.sampling.logit_filters import _by_sort, keep_top_k_top_p
@@ -264,3 +224,93 @@ def test_top_p_candidates_equal_the_full_sort(candidates):
     assert torch.equal(keep_top_k_top_p(s, k, p, candidates), expected)
     kept = (expected > _NEG).sum(-1)
     assert kept[1] > candidates and kept[0] < candidates  # both paths really ran
+
+
+# Hostile logits and parameters: never an id outside the vocabulary, never a NaN choice -----------
+def hostile_logits() -> torch.Tensor:
+    """One row per case, padded with huge logits in the columns past the vocabulary."""
+    base = torch.randn(7, V, generator=torch.Generator().manual_seed(8))
+    base[0] = _NEG  # nothing allowed
+    base[1] = float("nan")  # broken row
+    base[2, 12] = float("inf")  # one +inf
+    base[3, [12, 20]] = float("inf")  # two +inf: both stay candidates
+    base[4, :] = -5.0
+    base[4, [3, 9]] = float("nan")  # NaNs among finite logits: never picked
+    base[4, 10] = 1.0
+    base[5] = float("nan")
+    base[5, 30] = 0.0  # the only number in a NaN row
+    base[6] = _NEG
+    base[6, 40] = float("inf")  # +inf among -inf
+    return padded(base)
+
+
+HOSTILE_GREEDY = [EOS, EOS, 12, 12, 10, 30, 40]  # all -inf or all NaN: the first EOS token
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.0, "repetition_penalty": 1.5}])
+def test_greedy_on_hostile_logits(params):
+    s = make_sampler()
+    rows = [row(output=[5], **params) for _ in range(7)]
+    assert s.sample(hostile_logits(), s.prepare(rows)).token_ids == HOSTILE_GREEDY
+
+
+@pytest.mark.parametrize(
+    "params", [{}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}, {"top_k": 3, "top_p": 0.8, "min_p": 0.2}]
+)
+def test_sampling_on_hostile_logits(params):
+    s = make_sampler()
+    n = 200
+    logits = hostile_logits().repeat_interleave(n, 0)
+    tokens = s.sample(logits, s.prepare([row(temperature=1.0, **params) for _ in range(7 * n)])).token_ids
+    per_case = [set(tokens[i * n : (i + 1) * n]) for i in range(7)]
+    assert per_case[0] == per_case[1] == {EOS}
+    assert per_case[2] == {12}
+    assert per_case[3] == {12, 20}  # both +inf tokens are equally likely
+    assert per_case[4] <= set(range(V)) - {3, 9} and 10 in per_case[4]
+    assert per_case[5] == {30}
+    assert per_case[6] == {40}
+
+
+def test_logprobs_of_hostile_rows_are_finite():
+    s = make_sampler()
+    rows = [row(temperature=0.0, logprobs=True, top_logprobs=3) for _ in range(7)]
+    out = s.sample(hostile_logits(), s.prepare(rows))
+    assert out.token_ids == HOSTILE_GREEDY
+    values = [lp.logprob for lp in out.logprobs] + [v for lp in out.logprobs for _, v in lp.top]
+    assert all(math.isfinite(v) and v >= MIN_LOGPROB for v in values)
+    assert out.logprobs[2].logprob == 0.0  # the only +inf token has all the mass
+
+
+@pytest.mark.parametrize("temperature", [1e-44, 1e-45, 5e-7])
+def test_denormal_and_tiny_temperatures_are_greedy(temperature):
+    s = make_sampler()
+    logits = padded(torch.randn(4, V, generator=torch.Generator().manual_seed(9)) * 30)
+    batch = s.prepare([row(temperature=temperature, top_p=0.9) for _ in range(4)])
+    assert batch.sample_rows is None  # nothing is divided by the temperature
+    assert s.sample(logits, batch).token_ids == logits[:, :V].argmax(-1).tolist()
+
+
+def test_tiny_repetition_penalty_and_huge_temperature_stay_in_range():
+    s = make_sampler()
+    raw = torch.randn(2, V, generator=torch.Generator().manual_seed(10))
+    raw[:, 4], raw[:, 6] = 2.0, -3.0
+    raw[:, 50:] = _NEG  # masked: never drawn, whatever the temperature
+    # A penalty of 1e-45 turns the repeated positive logit into +inf (the sampler copes; validation
+    # refuses such values before they get here).
+    rows = [
+        row(output=[4, 6], temperature=0.0, repetition_penalty=1e-45),
+        row(output=[4, 6], temperature=1.0, repetition_penalty=1e-45),
+    ]
+    assert s.sample(padded(raw), s.prepare(rows)).token_ids == [4, 4]
+    n = 300
+    tokens = s.sample(padded(raw[:1]).expand(n, -1), s.prepare([row(temperature=1e39)] * n)).token_ids
+    assert set(tokens) <= set(range(50)) and len(set(tokens)) > 10
+
+
+def test_a_row_with_every_token_blocked_falls_back_to_the_raw_argmax():
+    s = make_sampler()
+    raw = torch.full((1, V), _NEG)
+    raw[0, EOS] = 3.0  # only EOS is possible, and min_new_tokens blocks it
+    for params in ({"temperature": 0.0}, {"temperature": 1.0}):
+        rows = [row(output=[], min_new_tokens=2, **params)]
+        assert s.sample(padded(raw), s.prepare(rows)).token_ids == [EOS]

@@ -40,17 +40,22 @@ def run(sched, reqs, max_steps=10_000):
         if plan is None:
             break
         plans.append((plan.kind, [r.key for r in plan.reqs], list(plan.extend_lens)))
-        for r, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
-            assert r.num_computed == start + n
-            assert len(set(r.kv_slots)) == len(r.kv_slots)
-        sched.after_step(plan)
-        for r, m in zip(plan.reqs, plan.sample_mask):
-            if m:
-                r.output_ids.append(next_token(r))
-                if len(r.output_ids) >= r.params.max_new_tokens:
-                    sched.finish(r)
+        fake_step(sched, plan)
     assert not sched.has_work()
     return {r.key: list(r.output_ids) for r in reqs}, plans
+
+
+def fake_step(sched, plan):
+    """What the engine does with a plan, minus the model: one token per sampled sequence."""
+    for r, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
+        assert r.num_computed == start + n
+        assert len(set(r.kv_slots)) == len(r.kv_slots)
+    sched.after_step(plan)
+    for r, m in zip(plan.reqs, plan.sample_mask):
+        if m:
+            r.output_ids.append(next_token(r))
+            if len(r.output_ids) >= r.params.max_new_tokens:
+                sched.finish(r)
 
 
 def check_idle(pool, cache):
@@ -162,10 +167,116 @@ def test_page_sizes_give_same_outputs(page_size):
     check_idle(pool, cache)
 
 
-def test_fcfs_and_dfs_weight_complete():
-    for policy in ("fcfs", "dfs-weight"):
-        sched, pool, cache = make(schedule_policy=policy)
-        shared = list(range(300, 340))
-        reqs = [req(f"{policy}{i}", shared + [i] * 5, 3) for i in range(5)]
-        run(sched, reqs)
-        check_idle(pool, cache)
+# Admission order: one tree, one queue, every policy against both caches ----------------------
+P1, P2 = list(range(1, 21)), list(range(51, 61))
+B1, B2 = P1 + list(range(101, 111)), P1 + list(range(201, 211))
+QUEUE = {  # arrival order; the last token is never matched (hits stop at len - 1)
+    "a": list(range(900, 906)),  # shares nothing
+    "b": B1 + [7777],  # matches all of B1 (30)
+    "c": P1 + list(range(201, 206)) + [8888],  # matches P1 and half of B2's branch (25)
+    "d": B1 + [5555, 6666],  # matches B1 (30), like b
+    "e": P2 + [4444],  # matches P2 (10)
+    "f": P1 + [300, 301],  # matches P1 (20)
+}
+ADMISSION_ORDER = {
+    ("fcfs", True): "abcdef",
+    # Longest match first; equal matches keep arrival order.
+    ("lpm", True): "bdcfea",
+    # Depth first from the root, heaviest subtree first: the root's own request, then P1's subtree
+    # (4 waiting: its own f, then B1's branch with b and d before B2's with c), then P2's (e).
+    ("dfs-weight", True): "afbdce",
+    # Without a tree nothing is shared: every policy admits in arrival order.
+    ("fcfs", False): "abcdef",
+    ("lpm", False): "abcdef",
+    ("dfs-weight", False): "abcdef",
+}
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["radix", "null"])
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight"])
+def test_admission_order_per_policy_and_cache(policy, cache):
+    sched, pool, c = make(pool_tokens=512, cache=cache, schedule_policy=policy, chunked_prefill_size=-1)
+    run(sched, [req("wa", B1, 2), req("wb", B2, 2), req("wc", P2, 2)])  # warms the tree (if any)
+    queue = [req(rid, ids) for rid, ids in QUEUE.items()]
+    for r in queue:
+        sched.add(r)
+    plan = sched.schedule()
+    assert plan.kind is BatchKind.PREFILL
+    assert "".join(r.rid for r in plan.reqs) == ADMISSION_ORDER[policy, cache]
+    expected_cached = (
+        {"a": 0, "b": 30, "c": 25, "d": 30, "e": 10, "f": 20} if cache else dict.fromkeys(QUEUE, 0)
+    )
+    assert {r.rid: r.cached_tokens for r in queue} == expected_cached
+    assert plan.extend_lens == [len(QUEUE[r.rid]) - expected_cached[r.rid] for r in plan.reqs]
+    fake_step(sched, plan)
+    run(sched, [])  # and everything completes
+    assert all(len(r.output_ids) == 4 for r in queue)
+    check_idle(pool, c)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["radix", "null"])
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight"])
+def test_one_at_a_time_admission_follows_the_policy(policy, cache):
+    """With one running request at a time, each round admits the policy's first choice."""
+    sched, pool, c = make(
+        pool_tokens=512, cache=cache, schedule_policy=policy, chunked_prefill_size=-1, max_running_requests=1
+    )
+    run(sched, [req("wa", B1, 2), req("wb", B2, 2), req("wc", P2, 2)])
+    _, plans = run(sched, [req(rid, ids, 1) for rid, ids in QUEUE.items()])
+    admitted = "".join(keys[0][0] for kind, keys, _ in plans if kind is BatchKind.PREFILL)
+    # Each finished request joins the tree; for dfs-weight that changes the weights: once b is done,
+    # B1's branch (d) and B2's (c) hold one waiting request each, and the tie goes to the branch
+    # the walk pushed last (B1's, created first, sorts first among equals and is popped last).
+    expected = {**ADMISSION_ORDER, ("dfs-weight", True): "afbced"}
+    assert admitted == expected[policy, cache]
+    check_idle(pool, c)
+
+
+# A sequence that fits the pool alone always finishes -------------------------------------------
+@pytest.mark.parametrize("chunk", [-1, 16])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("cache", [True, False], ids=["radix", "null"])
+def test_a_sequence_filling_the_whole_pool_finishes(cache, page_size, chunk):
+    """prompt + max_new - 1 == pool size (the last token is never fed back), beside other
+    requests that must be retracted to let it finish: nothing is aborted."""
+    sched, pool, c = make(pool_tokens=64, page_size=page_size, cache=cache, chunked_prefill_size=chunk)
+    big = req("big", range(1, 41), max_new=25)  # 40 + 25 - 1 == 64
+    others = [req(f"o{i}", range(100 + 10 * i, 108 + 10 * i), max_new=20) for i in range(3)]
+    outs, _ = run(sched, [big] + others)
+    assert len(outs["big#0"]) == 25 and all(len(outs[f"o{i}#0"]) == 20 for i in range(3))
+    assert all(r.error is None and not r.aborted for r in [big] + others)
+    check_idle(pool, c)
+
+
+def test_a_sequence_that_cannot_fit_alone_fails_with_an_error(optimistic):
+    """The engine refuses such a request at submission; should one get here anyway, it ends with
+    an error for the client (Req.error), never with a silent abort."""
+    sched, pool, c = make(pool_tokens=32, cache=False, chunked_prefill_size=8)
+    r = req("x", range(1, 31), max_new=10)  # needs 39 slots of 32
+    sched.add(r)
+    while (plan := sched.schedule()) is not None:
+        fake_step(sched, plan)
+    assert len(r.output_ids) == 32 - 30 + 1  # decoded until the pool was full
+    assert r.error == "out of KV cache memory: the sequence does not fit in the KV pool even alone"
+    assert r.finish_reason is None  # the engine turns the error into an EngineError
+    assert sched.take_aborted() == [r]  # at the next step boundary
+    assert not sched.has_work() and r.status is ReqStatus.FINISHED
+    check_idle(pool, c)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["radix", "null"])
+def test_a_failed_sequence_publishes_only_its_cached_prefix(cache):
+    sched, pool, c = make(pool_tokens=128, cache=cache, chunked_prefill_size=8)
+    run(sched, [req("warm", range(1, 17), max_new=1)])  # 16 tokens, 16 cached with the radix cache
+    r = req("x", list(range(1, 17)) + list(range(50, 70)), max_new=5)
+    sched.add(r)
+    fake_step(sched, sched.schedule())  # one chunk of 8 past the cached prefix, then published
+    plan = sched.schedule()  # the next chunk: its forward "fails"
+    assert [x.key for x in plan.reqs] == ["x#0"]
+    cached_before = c.evictable_size() + c.protected_size()
+    r.error, r.aborted = "the model step failed", True
+    assert [x.key for x in sched.take_aborted()] == ["x#0"]
+    # The failed chunk's slots went back to the pool; the tree holds only what it held before.
+    assert c.evictable_size() + c.protected_size() == cached_before
+    assert cached_before == (16 + 8 if cache else 0)  # the warm prompt, then x's first chunk
+    check_idle(pool, c)

@@ -116,11 +116,16 @@ def test_cli_serves_queues_503_and_stops_on_sigterm(tmp_path):
             "1",
             "--served-model-name",
             "smol",
+            "--max-header-bytes",
+            "8192",
         ],
         url,
         tmp_path / "cli.log",
     )
     try:
+        # The CLI starts Ray with the proxy's limits in its environment.
+        big = httpx.get(url + "/health", headers={"x-big": "a" * 10_000}, timeout=30)
+        assert big.status_code == 431 and big.json()["error"]["code"] == "request_header_fields_too_large"
         asyncio.run(queue_limit_scenario(url))
         with httpx.Client(base_url=url, timeout=60):
             reports = bench_serving.main(

@@ -169,6 +169,8 @@ def test_jump_forward_saves_steps(engine):
     "params,param_name",
     [
         ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": '{"items": ' * 5000 + "{}" + "}" * 5000}, "json_schema"),  # past recursion
+        ({"regex": "a" * 300_000}, "regex"),
         ({"json_schema": json.dumps({"type": "object", "uniqueItems": True, "not": {}})}, "json_schema"),
         ({"regex": "(unclosed"}, "regex"),
         ({"ebnf": "root ::= "}, "ebnf"),
@@ -181,3 +183,18 @@ def test_bad_grammars_refused_and_engine_keeps_serving(engine, params, param_nam
     assert e.value.param == param_name and e.value.message
     ok = engine.generate("Hello", {"max_new_tokens": 3, "temperature": 0})
     assert ok["meta_info"]["completion_tokens"] == 3 or ok["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_engine_shutdown_stops_the_grammar_compile_workers():
+    import psutil
+
+    engine = Engine(max_total_tokens=2048, num_threads=1)
+    try:
+        out = engine.generate("Say yes:", {"max_new_tokens": 4, "temperature": 0, "regex": "(yes|no)"})
+        assert out["text"] in ("yes", "no")
+        pids = engine.core.grammars.backend.worker_pids()
+        assert pids and all(psutil.pid_exists(p) for p in pids)
+    finally:
+        engine.shutdown()
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    assert not alive

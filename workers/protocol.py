@@ -11,8 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# One HTTP request may ask for several prompts, each with n samples; every one of those sequences
+# is scheduled like a request of its own, so their product is capped (400 beyond it).
+MAX_SEQUENCES_PER_REQUEST = 256
 
 
 class InvalidRequest(ValueError):
@@ -23,6 +28,35 @@ class InvalidRequest(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+def check_context_length(
+    prompt_tokens: int, max_new_tokens: int, context_length: int, param: str = "max_tokens"
+) -> None:
+    """Refuse a request whose prompt plus completion budget exceeds the model's context length
+    (OpenAI's `context_length_exceeded`). The ingress and the engine both apply it."""
+    total = prompt_tokens + max_new_tokens
+    if total > context_length:
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {total} tokens ({prompt_tokens} in the prompt, {max_new_tokens} for the "
+            "completion). Please reduce the prompt or the completion length.",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+# Temperatures below this sample greedily (as SGLang does): dividing logits by a tiny temperature
+# overflows float32 (1e-45 is a denormal; 30 / 1e-45 is inf), and the result is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-6
+# The repetition penalty divides positive logits: 1 / 0.01 scales a logit by at most 100, so even a
+# logit of 1e4 divided by the smallest sampled temperature stays far below float32's 3.4e38, while a
+# value like 1e-45 turns every repeated token's logit into inf. Below 0.01 nothing changes in what
+# is sampled (repeated tokens already dominate every other), so that is the lower bound.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
+# What torch.Generator.manual_seed accepts; sequence i of a request uses seed + i.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -107,6 +141,12 @@ class SamplingParams:
             bad("'max_new_tokens' must be >= 0", "max_new_tokens")
         if not 0 <= self.min_new_tokens:
             bad("'min_new_tokens' must be >= 0", "min_new_tokens")
+        if self.min_new_tokens > self.max_new_tokens:
+            bad(
+                f"'min_new_tokens' ({self.min_new_tokens}) must not exceed 'max_new_tokens' "
+                f"({self.max_new_tokens})",
+                "min_new_tokens",
+            )
         if self.temperature < 0:
             bad("'temperature' must be >= 0", "temperature")
         if not 0 < self.top_p <= 1:
@@ -115,8 +155,11 @@ class SamplingParams:
             bad("'top_k' must be -1 (disabled) or >= 1", "top_k")
         if not 0 <= self.min_p <= 1:
             bad("'min_p' must be in [0, 1]", "min_p")
-        if self.repetition_penalty <= 0:
-            bad("'repetition_penalty' must be > 0", "repetition_penalty")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad(
+                f"'repetition_penalty' must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]",
+                "repetition_penalty",
+            )
         if not -2 <= self.frequency_penalty <= 2:
             bad("'frequency_penalty' must be in [-2, 2]", "frequency_penalty")
         if not -2 <= self.presence_penalty <= 2:
@@ -125,8 +168,11 @@ class SamplingParams:
             bad("'n' must be in [1, 128]", "n")
         if not 0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS:
             bad(f"'top_logprobs' must be in [0, {self.MAX_TOP_LOGPROBS}]", "top_logprobs")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("'seed' must be an integer", "seed")
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                bad("'seed' must be an integer", "seed")
+            if not MIN_SEED <= self.seed <= MAX_SEED - (self.n - 1):
+                bad(f"'seed' must be in [{MIN_SEED}, {MAX_SEED - (self.n - 1)}]", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("'stop' must be non-empty strings", "stop")
         if len(self.stop) > 16:
@@ -149,7 +195,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax decoding: top_k 1, or a temperature below GREEDY_TEMPERATURE (never divided by)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -231,6 +278,62 @@ class OutputChunk:
         if d.get("logprobs") is not None:
             d["logprobs"] = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in d["logprobs"]]
         return cls(**d)
+
+
+def native_result(rid: str) -> dict[str, Any]:
+    """One sequence's result in SGLang's /generate shape, before any output arrived.
+
+    Both `Engine.generate` (offline) and the HTTP `/generate` build their results with this and
+    `add_to_native_result`, so the two always agree.
+    """
+    return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": rid,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "finish_reason": None,
+            "e2e_latency": None,
+        },
+    }
+
+
+def add_to_native_result(
+    result: dict[str, Any], chunk: OutputChunk, token_text: Callable[[int], str] | None = None
+) -> None:
+    """Fold one chunk of the sequence into `result` (from `native_result`).
+
+    Logprobs, when the request asked for them, are SGLang's triples: `output_token_logprobs` is
+    `[logprob, token_id, text]` per output token, `output_top_logprobs` (present when alternatives
+    were asked for) a list of such triples per output token, best first. `text` is
+    `token_text(token_id)`, or None without `token_text`.
+    """
+    result["text"] += chunk.text
+    result["output_ids"].extend(chunk.token_ids)
+    meta = result["meta_info"]
+    meta["completion_tokens"] = len(result["output_ids"])
+    if chunk.logprobs is not None:
+
+        def triple(token_id: int, logprob: float) -> list[Any]:
+            return [logprob, token_id, token_text(token_id) if token_text else None]
+
+        meta.setdefault("output_token_logprobs", []).extend(
+            triple(lp.token_id, lp.logprob) for lp in chunk.logprobs
+        )
+        if any(lp.top for lp in chunk.logprobs):
+            meta.setdefault("output_top_logprobs", []).extend(
+                [triple(t, v) for t, v in lp.top] for lp in chunk.logprobs
+            )
+    if chunk.finished:
+        meta.update(
+            prompt_tokens=chunk.prompt_tokens,
+            completion_tokens=chunk.completion_tokens,
+            cached_tokens=chunk.cached_tokens,
+            finish_reason=chunk.finish_reason,
+            e2e_latency=chunk.e2e_latency,
+        )
 
 
 @dataclass

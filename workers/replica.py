@@ -2,12 +2,13 @@
 
 Everything crossing the handle is a protocol dict: requests in as `GenerateRequest.to_dict()`,
 chunks out as `OutputChunk.to_dict()`, refusals as `encode_error(...)`. The deployment options
-(replica count, CPUs, request router) are set by cluster/app.py, not here.
+(replica count, CPUs, requests in flight, request router) are set by cluster/app.py, not here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import tempfile
@@ -16,7 +17,9 @@ from typing import Any
 
 from ray import serve
 
+from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.protocol import (
+    EngineError,
     GenerateRequest,
     InvalidRequest,
     ModelCard,
@@ -26,10 +29,6 @@ from radixserve.workers.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Every request a replica holds is one ongoing Serve request; the engine, not Serve, is the
-# queue (max_queued_requests answers 503), so Serve's own per-replica cap must not bind first.
-MAX_ONGOING_REQUESTS = 4096
 
 
 def _replica_id() -> str:
@@ -52,17 +51,16 @@ def tokenizer_files(tokenizer: Any) -> dict[str, str]:
 
 @serve.deployment(
     name="EngineReplica",
-    max_ongoing_requests=MAX_ONGOING_REQUESTS,
     health_check_period_s=10,
     health_check_timeout_s=60,
     graceful_shutdown_timeout_s=5,
 )
 class EngineReplica:
-    def __init__(self, engine_kwargs: dict[str, Any]):
+    def __init__(self, config: EngineConfig):
         from radixserve.workers.engine.engine import Engine  # heavy: torch + the model
 
-        self.engine_kwargs = dict(engine_kwargs)
-        self.engine = Engine(**self.engine_kwargs)
+        self.config = config
+        self.engine = Engine(**dataclasses.asdict(config))
         self.replica_id = _replica_id()
         logger.info("engine replica %s ready: %s", self.replica_id, self.engine.served_model_name)
 
@@ -70,8 +68,9 @@ class EngineReplica:
         """Stream one request: an empty chunk once the engine accepted it, then its chunks.
 
         A refusal (invalid request, full queue) is sent as an `encode_error` message, even after
-        the acceptance (a grammar fails to compile when scheduled). If the caller goes away
-        (Serve cancels this generator) the request is aborted, so its KV is released.
+        the acceptance (a grammar fails to compile when scheduled); so is an `EngineError` that
+        ended the request mid-way. If the caller goes away (Serve cancels this generator) the
+        request is aborted, so its KV is released.
         """
         try:
             req = GenerateRequest.from_dict(request)
@@ -85,7 +84,7 @@ class EngineReplica:
             async for chunk in stream:
                 yield chunk.to_dict()
             finished = True
-        except (InvalidRequest, QueueFull) as e:
+        except (InvalidRequest, QueueFull, EngineError) as e:
             finished = True  # the engine already dropped it
             yield encode_error(e)
         finally:
@@ -94,17 +93,14 @@ class EngineReplica:
 
     async def model_card(self) -> dict[str, Any]:
         cfg = self.engine.model_config
-        # The engine caps a requested context length at the model's (EngineCore does the same).
-        context_length = min(
-            self.engine_kwargs.get("context_length") or cfg.context_length, cfg.context_length
-        )
         return ModelCard(
             served_model_name=self.engine.served_model_name,
-            model_path=self.engine_kwargs.get("model_path"),
-            context_length=int(context_length),
+            model_path=self.config.model_path,
+            context_length=self.engine.context_length,
             vocab_size=len(self.engine.tokenizer),
             eos_token_ids=[int(t) for t in cfg.eos_token_ids],
-            tokenizer_files=tokenizer_files(self.engine.tokenizer),
+            # Written to and read back from a temporary directory: disk work, off the event loop.
+            tokenizer_files=await asyncio.to_thread(tokenizer_files, self.engine.tokenizer),
         ).to_dict()
 
     async def stats(self) -> dict[str, Any]:
@@ -115,17 +111,19 @@ class EngineReplica:
     async def cache_summary(self, max_tokens: int) -> dict[str, Any]:
         """What the router's correction needs, read together: this replica's `ReplicaStats`
         and its cached prefixes (token paths, most recently used first, up to `max_tokens`
-        tokens in all; shared prefixes count once per path)."""
-        prefixes = await asyncio.to_thread(self.engine.cache_summary, int(max_tokens))
+        tokens in all; shared prefixes count once per path), with `namespaces[i]` the cache
+        namespace (tenant) of `prefixes[i]`."""
+        paths = await asyncio.to_thread(self.engine.cache_summary, int(max_tokens))
         s = self.engine.replica_stats()
         s.replica_id = self.replica_id
-        return {"stats": s.to_dict(), "prefixes": prefixes}
+        return {"stats": s.to_dict(), "prefixes": [p for _, p in paths], "namespaces": [n for n, _ in paths]}
 
     async def engine_stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.engine.stats()}
 
     async def flush_cache(self) -> bool:
-        return bool(self.engine.flush_cache())
+        # The engine answers between steps; waiting for that must not hold up this event loop.
+        return bool(await asyncio.to_thread(self.engine.flush_cache))
 
     async def abort(self, rid: str) -> bool:
         return bool(self.engine.abort(rid))

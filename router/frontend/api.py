@@ -1,13 +1,27 @@
 """The FastAPI app: OpenAI routes, SGLang's native routes, and the guards in front of them.
 
+Who may call what (router/frontend/tenants.py holds the keys): /health and /ready need no key; the admin
+routes (ADMIN_ROUTES: /flush_cache) need the admin key, or the single `api_key` when no admin key
+is set; every other route takes any valid key. /metrics and /get_server_info stay open to every
+tenant: they report totals over all tenants (counters, sizes, loads), never a prompt, a request
+id or a per-tenant figure, and key settings show masked. /abort_request aborts only the caller's
+own requests (another tenant's id gets the answer an unknown id gets).
+
 Bodies are parsed by hand (`model_validate_json`) rather than by FastAPI's parameter binding, so
 every malformed or invalid body is a 400 in OpenAI's shape; FastAPI's 422 handler is replaced too,
-for anything that still reaches it.
+for anything that still reaches it. Whatever a route raises is mapped by `errors.from_exception`
+(in `ContainErrors`): internals never reach a client.
+
+Health: `/health` is the HTTP server's liveness (200 while this process serves). Readiness means
+an engine can serve: `/ready` asks every engine replica for its stats and is 200 when at least one
+answers; `/health_generate` (SGLang's) runs a real one-token generation. Both answer 503 when no
+engine does so within their timeout.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import importlib.metadata
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -16,8 +30,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 
 from radixserve.router.frontend import errors, serving
 from radixserve.router.frontend.responses import Sequences
@@ -29,36 +44,39 @@ from radixserve.router.frontend.schemas import (
     GenerateHTTPRequest,
     TokenizeRequest,
 )
-from radixserve.workers.protocol import GenerateRequest, InvalidRequest, QueueFull, SamplingParams
+from radixserve.router.frontend.tenants import ADMIN_ROUTES, IDENTITY, ApiKeys, identity_of
+from radixserve.workers.protocol import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.router.frontend.ingress import Ingress
 
-AUTH_EXEMPT = frozenset({"/health"})
-VERSION = "0.1.0"
-
-
-class BodyTooLarge(Exception):
-    pass
+AUTH_EXEMPT = frozenset({"/health", "/ready"})
+VERSION = importlib.metadata.version("radixserve")
+READY_TIMEOUT_S = 5.0  # an engine replica that cannot report its stats in this time is not ready
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # a one-token generation behind a busy queue may take a while
 
 
 class Guard:
-    """ASGI middleware: API key (constant-time compare) and body size, before any parsing."""
+    """ASGI middleware, before any parsing: the caller's identity from its API key (401 for a
+    wrong one, 403 on an admin route without admin rights), put in the scope's state for the
+    handlers (`identity_of`); then the body size."""
 
-    def __init__(self, app: Any, api_key: str | None, max_bytes: int):
+    def __init__(self, app: Any, keys: ApiKeys, max_bytes: int):
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.keys = keys
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.key is not None and scope["path"] not in AUTH_EXEMPT:
-            auth = headers.get("authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
+        if scope["path"] not in AUTH_EXEMPT:
+            identity = self.keys.identify(headers.get("authorization", b""))
+            if identity is None:
                 return await errors.unauthorized().response()(scope, receive, send)
+            if scope["path"] in ADMIN_ROUTES and not identity.admin:
+                return await errors.forbidden().response()(scope, receive, send)
+            scope.setdefault("state", {})[IDENTITY] = identity
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await errors.too_large(self.max_bytes).response()(scope, receive, send)
@@ -69,30 +87,55 @@ class Guard:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:  # a chunked body with no Content-Length
-                raise BodyTooLarge()
+                raise errors.too_large(self.max_bytes)
             return message
 
         await self.app(scope, counted_receive, send)
+
+
+class ContainErrors:
+    """ASGI middleware: whatever a route raises becomes the client's error here, once. (Starlette's
+    own last-resort handler re-raises after answering, and Serve would then answer again with
+    the exception's text.) After a response started, the stream's own in-band error has been
+    sent, so the exception is only logged."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:
+            rid = errors.request_id(HTTPConnection(scope))
+            error = errors.from_exception(exc, rid)
+            if not started:
+                await error.response()(scope, receive, send)
 
 
 async def parse(request: Request, schema: type[BaseModel]) -> Any:
     return schema.model_validate_json(await request.body())
 
 
-def add_error_handlers(app: FastAPI, max_bytes: int) -> None:
-    def handle(status_of: Callable[[Any], errors.APIError]):
-        async def handler(request: Request, exc: Exception) -> Response:
-            return status_of(exc).response()
+def add_error_handlers(app: FastAPI) -> None:
+    """Errors raised outside a route's own handling (routing, FastAPI's validation)."""
 
-        return handler
+    async def api_error(request: Request, exc: Exception) -> Response:
+        return errors.from_exception(exc, errors.request_id(request)).response()
 
-    app.add_exception_handler(errors.APIError, handle(lambda e: e))
-    for cls in (InvalidRequest, QueueFull, ValidationError):
-        app.add_exception_handler(cls, handle(errors.from_exception))
-    app.add_exception_handler(
-        RequestValidationError, handle(lambda e: errors.from_validation_errors(list(e.errors())))
-    )
-    app.add_exception_handler(BodyTooLarge, handle(lambda e: errors.too_large(max_bytes)))
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return errors.from_validation_errors(list(exc.errors())).response()
+
+    app.add_exception_handler(errors.APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
@@ -102,13 +145,13 @@ def add_error_handlers(app: FastAPI, max_bytes: int) -> None:
         return errors.APIError(exc.status_code, str(exc.detail)).response()
 
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, handle(errors.from_exception))
 
 
 def build_api(ing: Ingress) -> FastAPI:
     app = FastAPI(title="RadixServe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Guard, api_key=ing.api_key, max_bytes=ing.max_request_bytes)
-    add_error_handlers(app, ing.max_request_bytes)
+    app.add_middleware(Guard, keys=ing.http.api_keys(), max_bytes=ing.http.max_request_bytes)
+    app.add_middleware(ContainErrors)  # outermost: it also sees what the Guard raises
+    add_error_handlers(app)
     started = int(time.time())
 
     def post(
@@ -149,6 +192,17 @@ def build_api(ing: Ingress) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200)
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        try:
+            replicas = len(await ing.replica_stats(timeout_s=READY_TIMEOUT_S))
+        except Exception as e:  # a timeout, or Serve finding no replica to ask
+            errors.logger.warning("readiness check: %r", e)
+            replicas = 0
+        if not replicas:
+            return errors.not_ready("no engine replica answered").response()
+        return JSONResponse({"status": "ready", "engine_replicas": replicas})
+
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
         req = GenerateRequest(
@@ -157,11 +211,20 @@ def build_api(ing: Ingress) -> FastAPI:
             rid=f"health-{time.monotonic_ns()}",
         )
         seqs = Sequences(1, 1)
+
+        async def one_token() -> bool:
+            return await serving.collect([await ing.open(req)], seqs, request)
+
         try:
-            ok = await serving.collect([await ing.open(req)], seqs, request)
+            ok = await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            return errors.not_ready(f"no generation within {HEALTH_GENERATE_TIMEOUT_S:g}s").response()
         except Exception as e:
-            return errors.APIError(503, f"generation failed: {e}", "server_error").response()
-        return Response(status_code=200 if ok and seqs.done else 503)
+            errors.logger.warning("health generation %s failed: %r", req.rid, e)
+            return errors.not_ready("the generation failed").response()
+        if not (ok and seqs.done):
+            return errors.not_ready("the generation did not finish").response()
+        return Response(status_code=200)
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
@@ -177,10 +240,9 @@ def build_api(ing: Ingress) -> FastAPI:
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
-        args = {k: ("***" if k == "api_key" and v else v) for k, v in ing.server_args.items()}
         replicas = [s.to_dict() for s in await ing.replica_stats()]
         return {
-            **args,
+            **ing.config.server_info(),
             "version": VERSION,
             "served_model_name": ing.model_name,
             "context_length": ing.card.context_length,
@@ -212,17 +274,22 @@ async def tokenize(ing: Ingress, req: TokenizeRequest, http: Request) -> Respons
     serving.check_model(ing, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise errors.bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    pool, tok = ing.tokenizer_pool, ing.tokenizer
     if req.prompt is not None:
-        ids = ing.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await pool.run(len(req.prompt), tok.encode, req.prompt, req.add_special_tokens, "prompt")
     else:
-        ids = ing.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = await pool.run(sum(len(m["content"]) for m in messages), tok.encode_chat, messages)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ing.card.context_length})
 
 
 async def detokenize(ing: Ingress, req: DetokenizeRequest, http: Request) -> Response:
     serving.check_model(ing, req.model)
-    return JSONResponse({"text": ing.tokenizer.decode(req.tokens)})
+    return JSONResponse(
+        {"text": await ing.tokenizer_pool.run(len(req.tokens), ing.tokenizer.decode, req.tokens)}
+    )
 
 
 async def abort_request(ing: Ingress, req: AbortRequest, http: Request) -> Response:
-    return JSONResponse({"rid": req.rid, "aborted": await ing.abort(req.rid)})
+    aborted = await ing.abort(identity_of(http).engine_rid(req.rid))
+    return JSONResponse({"rid": req.rid, "aborted": aborted})

@@ -2,20 +2,32 @@
 
 Every failure the HTTP layer reports goes through `APIError`, so clients (the official SDKs
 included) always see the same body shape, and invalid input is always a 400: never FastAPI's 422,
-never a 500 from a parameter that slipped past validation.
+never a 500 from a parameter that slipped past validation. A failure of the server itself (a
+replica's `EngineError`, a replica that died, a bug) is a 500 whose body says only "internal
+error" and the request id; what happened goes to the server log under that id.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
+import uuid
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect, HTTPConnection
 
 from radixserve.workers.protocol import InvalidRequest, QueueFull
 
+logger = logging.getLogger("radixserve.http")
+
 QUEUE_FULL_RETRY_AFTER_S = 1
+# Ray Serve's proxy gives every request an id in this header (the client's own, if it sent one)
+# and returns it as X-Request-ID.
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 class APIError(Exception):
@@ -61,6 +73,10 @@ def unauthorized() -> APIError:
     )
 
 
+def forbidden() -> APIError:
+    return APIError(403, "This endpoint needs the admin API key.", code="admin_key_required")
+
+
 def too_large(limit: int) -> APIError:
     return APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
 
@@ -83,12 +99,34 @@ def queue_full(message: str = "") -> APIError:
     )
 
 
-def internal(message: str) -> APIError:
-    return APIError(500, message, type="server_error", code="internal_error")
+def not_ready(reason: str) -> APIError:
+    return APIError(
+        503,
+        f"No engine can serve requests: {reason}.",
+        type="server_error",
+        code="not_ready",
+        headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+    )
 
 
-def from_exception(exc: BaseException) -> APIError:
-    """Map what the validation layer or a replica raised to the HTTP error a client sees."""
+def internal(request_id: str) -> APIError:
+    return APIError(
+        500, f"Internal server error (request id {request_id})", type="server_error", code="internal_error"
+    )
+
+
+def request_id(conn: HTTPConnection) -> str:
+    """The id this request is logged under: the proxy's X-Request-ID, else a new one."""
+    given = conn.headers.get(REQUEST_ID_HEADER, "")
+    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+def from_exception(exc: BaseException, request_id: str) -> APIError:
+    """Map what the validation layer or a replica raised to the HTTP error a client sees.
+
+    Anything that is not the client's fault is logged here with `request_id` and becomes a
+    generic 500: exception texts (a replica's traceback, actor ids, addresses) never reach a client.
+    """
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequest):
@@ -96,8 +134,11 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFull):
         return queue_full(str(exc))
     if isinstance(exc, ValidationError):
-        return from_validation_errors(exc.errors())
-    return internal(f"{type(exc).__name__}: {exc}")
+        return from_validation_errors([dict(e) for e in exc.errors()])
+    if isinstance(exc, ClientDisconnect):  # nobody reads this answer; nothing failed here
+        return bad_request("The client disconnected before its request was read.", code="client_disconnected")
+    logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+    return internal(request_id)
 
 
 def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:

@@ -18,9 +18,10 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from radixserve.router.frontend.config import IngressConfig
 from radixserve.router.frontend.metrics import Metrics, RequestTimer
 from radixserve.router.frontend.tokenizer import Tokenizer
-from radixserve.router.routing.policy import PolicyConfig
+from radixserve.router.frontend.tokenizer_pool import TokenizerPool
 from radixserve.router.routing.request_router import state_key
 from radixserve.router.routing.routing_state import routing_state
 from radixserve.workers.protocol import GenerateRequest, ModelCard, OutputChunk, ReplicaStats, decode_error
@@ -74,25 +75,21 @@ class ReplicaStream:
 
 
 class Ingress:
-    async def __init__(
-        self, replicas: DeploymentHandle, server_args: dict[str, Any], routing: dict[str, Any] | None = None
-    ):
-        """`routing`: {"policy": PolicyConfig fields, "sync_interval_s": seconds} (cluster/app.py
-        passes the same policy fields to the request router)."""
-        routing = routing or {}
+    async def __init__(self, replicas: DeploymentHandle, config: IngressConfig):
+        """`config.policy` is the routing policy that cluster/app.py also gives the engine
+        deployment's request router."""
         self.replicas = replicas
-        self.server_args = dict(server_args)
-        self.api_key: str | None = server_args.get("api_key")
-        self.max_request_bytes: int = int(server_args.get("max_request_bytes") or 16 << 20)
-        logging.getLogger("radixserve").setLevel(str(server_args.get("log_level") or "info").upper())
+        self.config = config
+        self.http = config.http
+        logging.getLogger("radixserve").setLevel(config.http.log_level.upper())
         card = await self.replicas.model_card.remote()
         self.card = ModelCard.from_dict(card)
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.card)
+        self.tokenizer_pool = TokenizerPool(config.http.tokenizer_threads)
         self.model_name = self.card.served_model_name
         self.metrics = Metrics(self.model_name)
         key = state_key(replicas.deployment_id.app_name, replicas.deployment_id.name)
-        self.routing = routing_state(key, PolicyConfig(**routing.get("policy", {})))
-        self.sync_interval_s = float(routing.get("sync_interval_s", 5.0))
+        self.routing = routing_state(key, config.policy)
         self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
 
     def __serve_build_asgi_app__(self):
@@ -114,13 +111,13 @@ class Ingress:
         applied = 0
         for r in await self._broadcast("cache_summary", budget):
             # The engine lists most recent first; the tree wants least recent first.
-            prefixes = r["prefixes"][::-1] if budget else None
+            prefixes = list(zip(r["namespaces"], r["prefixes"]))[::-1] if budget else None
             applied += self.routing.apply_report(ReplicaStats.from_dict(r["stats"]), prefixes, point)
         return applied
 
     async def _sync_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.sync_interval_s)
+            await asyncio.sleep(self.config.sync_interval_s)
             try:
                 await self.sync_routing()
             except Exception:  # the next round retries; routing goes on with what it knows
@@ -148,16 +145,16 @@ class Ingress:
             raise
         return stream
 
-    async def _broadcast(self, method: str, *args: Any) -> list[Any]:
+    async def _broadcast(self, method: str, *args: Any, timeout_s: float = CONTROL_TIMEOUT_S) -> list[Any]:
         """`method` on every replica; the answers of those that answered (one that just died is
         left out, not an error: Serve replaces it)."""
         results = await self.replicas.broadcast(method, *args).results_async(
-            timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True
+            timeout_s=timeout_s, return_exceptions=True
         )
         return [r for r in results if not isinstance(r, BaseException)]
 
-    async def replica_stats(self) -> list[ReplicaStats]:
-        stats = [ReplicaStats.from_dict(r) for r in await self._broadcast("stats")]
+    async def replica_stats(self, timeout_s: float = CONTROL_TIMEOUT_S) -> list[ReplicaStats]:
+        stats = [ReplicaStats.from_dict(r) for r in await self._broadcast("stats", timeout_s=timeout_s)]
         return sorted(stats, key=lambda s: s.replica_id)
 
     async def engine_stats(self) -> list[dict[str, Any]]:
@@ -174,4 +171,5 @@ class Ingress:
         return any(await self._broadcast("abort", rid))
 
 
-IngressDeployment = serve.deployment(name="Ingress", max_ongoing_requests=4096)(serve.ingress()(Ingress))
+# Replica count, CPUs and requests in flight are set by cluster/app.py.
+IngressDeployment = serve.deployment(name="Ingress")(serve.ingress()(Ingress))

@@ -2,7 +2,7 @@
 
 `Sequences` folds the chunks of one or more engine requests (n > 1, or several prompts) into
 per-choice state and usage; the functions below render that state in OpenAI's shapes for chat
-and legacy completions, streaming or not.
+and legacy completions, streaming or not. SGLang's native bodies come from workers/protocol.py.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.router.frontend.tokenizer import Tokenizer
-from radixserve.workers.protocol import OutputChunk, TokenLogprob
+from radixserve.workers.protocol import OutputChunk, TokenLogprob, add_to_native_result, native_result
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -43,10 +44,6 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: Any = None
-    finish: dict[str, Any] | None = None  # the engine's finish_reason, as SGLang reports it
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    e2e_latency: float | None = None
 
 
 @dataclass
@@ -65,11 +62,23 @@ class Usage:
 
 
 class Sequences:
-    """Choices of one HTTP request. Engine request `k` (prompt k) owns choices k*n .. k*n+n-1."""
+    """Choices of one HTTP request. Engine request `k` (prompt k) owns choices k*n .. k*n+n-1.
 
-    def __init__(self, num_prompts: int, n: int):
+    With `native_rid`, each choice also keeps its SGLang /generate result (`native[i]`), built by
+    the protocol's builder that the offline engine uses too.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        n: int,
+        native_rid: str | None = None,
+        token_text: Callable[[int], str] | None = None,
+    ):
         self.n = n
         self.choices = [Sequence() for _ in range(num_prompts * n)]
+        self.native = [native_result(native_rid) for _ in self.choices] if native_rid is not None else None
+        self.token_text = token_text
         self._prompt_usage: dict[int, tuple[int, int]] = {}  # prompt -> (prompt, cached) tokens
 
     def choice_index(self, prompt: int, chunk: OutputChunk) -> int:
@@ -85,13 +94,13 @@ class Sequences:
             seq.logprobs.extend(chunk.logprobs)
         if chunk.finished:
             reason = chunk.finish_reason or {"type": "stop"}
-            seq.finish_reason = FINISH_REASONS.get(reason.get("type"), reason.get("type"))
+            kind = str(reason.get("type"))
+            seq.finish_reason = FINISH_REASONS.get(kind, kind)
             seq.matched_stop = reason.get("matched")
-            seq.finish = reason
-            seq.prompt_tokens, seq.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
-            seq.e2e_latency = chunk.e2e_latency
             # Every sequence of a request reports the same prompt; count it once (OpenAI does).
             self._prompt_usage[prompt] = (chunk.prompt_tokens, chunk.cached_tokens)
+        if self.native is not None:
+            add_to_native_result(self.native[i], chunk, self.token_text)
         return i
 
     @property
@@ -253,21 +262,3 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, usage: Usage) -> d
         "choices": [],
         "usage": usage.to_dict(),
     }
-
-
-def native_response(rid: str, seq: Sequence, tok: Tokenizer | None = None) -> dict[str, Any]:
-    """SGLang's /generate body: text, output_ids and meta_info (with logprobs when `tok`)."""
-    meta = {
-        "id": rid,
-        "prompt_tokens": seq.prompt_tokens,
-        "completion_tokens": len(seq.token_ids),
-        "cached_tokens": seq.cached_tokens,
-        "finish_reason": seq.finish,
-        "e2e_latency": seq.e2e_latency,
-    }
-    if tok is not None:
-        meta["output_token_logprobs"] = [
-            [lp.logprob, lp.token_id, tok.token_text(lp.token_id)] for lp in seq.logprobs
-        ]
-        meta["output_top_logprobs"] = [[[v, t, tok.token_text(t)] for t, v in lp.top] for lp in seq.logprobs]
-    return {"text": seq.text, "output_ids": list(seq.token_ids), "meta_info": meta}

@@ -13,7 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from radixserve.workers.protocol import InvalidRequest, SamplingParams
+from radixserve.workers.protocol import (
+    MAX_SEQUENCES_PER_REQUEST,
+    InvalidRequest,
+    SamplingParams,
+    check_context_length,
+)
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
 
@@ -118,6 +123,9 @@ class GenerateHTTPRequest(_Schema):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # SGLang's switch for token text in logprob triples; the text is always there, so it is
+    # accepted and changes nothing.
+    return_text_in_logprobs: bool = True
     rid: str | None = None
 
 
@@ -175,20 +183,35 @@ def _common(req: _SamplingFields) -> dict[str, Any]:
     return d
 
 
+def check_sequences(num_prompts: int, n: int) -> None:
+    """Every prompt times n is a sequence the engine schedules; one request gets a bounded number."""
+    if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        raise InvalidRequest(
+            f"This request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+            f"at most {MAX_SEQUENCES_PER_REQUEST} are allowed per request. Send fewer prompts or a "
+            "smaller n, or split the batch into several requests.",
+            "n" if num_prompts == 1 else "prompt",
+        )
+
+
+def check_prompt_fits(min_prompt_tokens: int, context_length: int, param: str) -> None:
+    """Refuse a prompt known to be at least `min_prompt_tokens` long if that leaves no room for
+    one completion token (the same rule as `max_new_tokens`, decided before tokenizing)."""
+    if min_prompt_tokens + 1 > context_length:
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_length} tokens. However, your prompt "
+            f"is at least {min_prompt_tokens} tokens long. Please reduce the prompt.",
+            param,
+            code="context_length_exceeded",
+        )
+
+
 def max_new_tokens(requested: int | None, prompt_len: int, context_length: int, param: str) -> int:
     """The completion budget: as requested, or the rest of the context; 400 when it cannot fit."""
     if requested is not None and (isinstance(requested, bool) or requested < 1):
         raise InvalidRequest(f"'{param}' must be >= 1", param)
     budget = requested if requested is not None else context_length - prompt_len
-    if prompt_len + max(budget, 1) > context_length:
-        raise InvalidRequest(
-            f"This model's maximum context length is {context_length} tokens. However, you "
-            f"requested {prompt_len + max(budget, 1)} tokens ({prompt_len} in the prompt, "
-            f"{max(budget, 1)} for the completion). Please reduce the prompt or the completion "
-            "length.",
-            param,
-            code="context_length_exceeded",
-        )
+    check_context_length(prompt_len, max(budget, 1), context_length, param)
     return budget
 
 
@@ -251,10 +274,7 @@ def native_sampling_params(
         d["logprobs"] = True
         d["top_logprobs"] = req.top_logprobs_num
     params = _build(d, vocab_size)
-    if prompt_len + params.max_new_tokens > context_length:
-        max_new_tokens(
-            params.max_new_tokens or 1, prompt_len, context_length, "sampling_params.max_new_tokens"
-        )
+    check_context_length(prompt_len, params.max_new_tokens, context_length, "sampling_params.max_new_tokens")
     return params
 
 

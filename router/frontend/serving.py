@@ -3,6 +3,9 @@
 Each handler validates and tokenizes, opens one replica stream per prompt (so a refusal becomes
 an HTTP status before any byte is sent), then either streams SSE or collects a JSON body. A client
 that goes away cancels its streams, which aborts the requests in their replicas.
+
+Text prompts are tokenized on the ingress's tokenizer threads, after a check that needs no
+tokenizing: a prompt whose length alone proves it longer than the context is refused at once.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from radixserve.router.frontend.responses import (
     completion_chunk,
     completion_logprobs,
     completion_response,
-    native_response,
     new_id,
     now,
     sse,
@@ -35,15 +37,17 @@ from radixserve.router.frontend.schemas import (
     CompletionRequest,
     GenerateHTTPRequest,
     chat_sampling_params,
+    check_prompt_fits,
+    check_sequences,
     completion_sampling_params,
     native_sampling_params,
 )
+from radixserve.router.frontend.tenants import Identity, identity_of
 from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.router.frontend.ingress import Ingress, ReplicaStream
 
-DISCONNECT_POLL_S = 0.2
 _DONE = object()
 
 
@@ -95,6 +99,13 @@ async def merged(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, Outpu
             s.cancel()
 
 
+async def client_gone(http: Request) -> None:
+    """Returns when the client disconnects: the server's `http.disconnect` message. Call it once
+    the request body has been read (what is left to receive is only that message)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def collect(streams: list[ReplicaStream], seqs: Sequences, http: Request) -> bool:
     """Fold every chunk into `seqs`; False (and the requests aborted) if the client left first."""
 
@@ -103,16 +114,16 @@ async def collect(streams: list[ReplicaStream], seqs: Sequences, http: Request) 
             seqs.add(k, chunk)
 
     work = asyncio.ensure_future(drain())
+    gone = asyncio.ensure_future(client_gone(http))
     try:
-        while not work.done():
-            await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
-            if not work.done() and await http.is_disconnected():
-                return False
-        work.result()  # re-raise a replica failure
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and gone.exception() is None:
+            return False
+        await work  # re-raises a replica failure (and outlives a receive channel that failed)
         return True
     finally:
-        if not work.done():
-            work.cancel()
+        for t in (work, gone):
+            t.cancel()
         for s in streams:
             s.cancel()
 
@@ -125,22 +136,42 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
-async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def guarded(events: AsyncIterator[str], http: Request) -> AsyncIterator[str]:
     """A stream that fails after its 200 reports the error in band, then ends with [DONE]."""
     try:
         async for e in events:
             yield e
     except Exception as exc:
-        yield errors.from_exception(exc).sse_event()
+        yield errors.from_exception(exc, errors.request_id(http)).sse_event()
     yield SSE_DONE
 
 
+async def encode_prompt(ing: Ingress, text: str, param: str) -> list[int]:
+    """A raw text prompt's ids, on a tokenizer thread; refused unread if it cannot fit."""
+    check_prompt_fits(ing.tokenizer.min_tokens(len(text)), ing.card.context_length, param)
+    return await ing.tokenizer_pool.run(len(text), ing.tokenizer.encode, text, True, param)
+
+
+async def encode_chat(ing: Ingress, messages: list[dict[str, Any]]) -> list[int]:
+    """The chat's ids, templated on a tokenizer thread; refused unread if it cannot fit."""
+    size = sum(len(m["content"]) for m in messages)
+    check_prompt_fits(ing.tokenizer.min_tokens(size), ing.card.context_length, "messages")
+    return await ing.tokenizer_pool.run(size, ing.tokenizer.encode_chat, messages)
+
+
 def _requests(
-    ids_list: list[list[int]], params: list[SamplingParams], rid: str, stream: bool
+    ids_list: list[list[int]], params: list[SamplingParams], rid: str, stream: bool, who: Identity
 ) -> list[GenerateRequest]:
+    """One request per prompt, in the caller's cache namespace and request-id space."""
     many = len(ids_list) > 1
     return [
-        GenerateRequest(input_ids=ids, sampling_params=p, rid=f"{rid}-{k}" if many else rid, stream=stream)
+        GenerateRequest(
+            input_ids=ids,
+            sampling_params=p,
+            rid=who.engine_rid(f"{rid}-{k}" if many else rid),
+            namespace=who.namespace,
+            stream=stream,
+        )
         for k, (ids, p) in enumerate(zip(ids_list, params))
     ]
 
@@ -150,17 +181,18 @@ async def chat(ing: Ingress, req: ChatCompletionRequest, http: Request) -> Respo
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
     ]
-    ids = ing.tokenizer.encode_chat(messages)
+    check_sequences(1, req.n)
+    ids = await encode_chat(ing, messages)
     params = chat_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
     rid = req.rid or new_id("chatcmpl")
-    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream))
+    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
     seqs = Sequences(1, params.n)
     if not req.stream:
         if not await collect(streams, seqs, http):
             return Response(status_code=499)
         return JSONResponse(chat_response(rid, ing.model_name, seqs, ing.tokenizer, req.logprobs))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return sse_response(guarded(_chat_events(ing, rid, streams, seqs, req.logprobs, include_usage)))
+    return sse_response(guarded(_chat_events(ing, rid, streams, seqs, req.logprobs, include_usage), http))
 
 
 async def _chat_events(
@@ -187,7 +219,7 @@ async def _chat_events(
         yield sse(usage_chunk(rid, created, model, "chat.completion.chunk", seqs.usage()))
 
 
-def _prompts(ing: Ingress, prompt: Any) -> tuple[list[list[int]], list[str]]:
+async def _prompts(ing: Ingress, prompt: Any, n: int) -> tuple[list[list[int]], list[str]]:
     """Token ids of each prompt (a string, strings, ids, or lists of ids) and its text."""
     tok = ing.tokenizer
     if isinstance(prompt, str):
@@ -196,12 +228,14 @@ def _prompts(ing: Ingress, prompt: Any) -> tuple[list[list[int]], list[str]]:
         prompt = [prompt]
     if not prompt:
         raise errors.bad_request("'prompt' must not be empty", "prompt")
+    check_sequences(len(prompt), n)
     ids_list, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            ids_list.append(tok.encode(p, add_special_tokens=True))
+            ids_list.append(await encode_prompt(ing, p, "prompt"))
             texts.append(p)
         else:
+            check_prompt_fits(len(p), ing.card.context_length, "prompt")  # before a long scan
             tok.check_ids(p, "prompt")
             if not p:
                 raise errors.bad_request("'prompt' must not be empty", "prompt")
@@ -212,13 +246,13 @@ def _prompts(ing: Ingress, prompt: Any) -> tuple[list[list[int]], list[str]]:
 
 async def completions(ing: Ingress, req: CompletionRequest, http: Request) -> Response:
     check_model(ing, req.model)
-    ids_list, texts = _prompts(ing, req.prompt)
+    ids_list, texts = await _prompts(ing, req.prompt, req.n)
     card = ing.card
     params = [
         completion_sampling_params(req, len(ids), card.vocab_size, card.context_length) for ids in ids_list
     ]
     rid = req.rid or new_id("cmpl")
-    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream))
+    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream, identity_of(http)))
     seqs = Sequences(len(ids_list), req.n)
     want_logprobs = req.logprobs is not None
     if not req.stream:
@@ -231,7 +265,7 @@ async def completions(ing: Ingress, req: CompletionRequest, http: Request) -> Re
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = texts if req.echo else None
     return sse_response(
-        guarded(_completion_events(ing, rid, streams, seqs, want_logprobs, include_usage, echo))
+        guarded(_completion_events(ing, rid, streams, seqs, want_logprobs, include_usage, echo), http)
     )
 
 
@@ -270,33 +304,31 @@ async def generate(ing: Ingress, req: GenerateHTTPRequest, http: Request) -> Res
     if (req.text is None) == (req.input_ids is None):
         raise errors.bad_request("give exactly one of 'text' and 'input_ids'", "text")
     if req.text is not None:
-        ids = ing.tokenizer.encode(req.text, add_special_tokens=True)
+        ids = await encode_prompt(ing, req.text, "text")
     else:
+        check_prompt_fits(len(req.input_ids), ing.card.context_length, "input_ids")
         ing.tokenizer.check_ids(req.input_ids, "input_ids")
         ids = list(req.input_ids)
     if not ids:
         raise errors.bad_request("the prompt must not be empty", "text")
     params = native_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
     rid = req.rid or new_id("gen")
-    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream))
-    seqs = Sequences(1, params.n)
-    tok = ing.tokenizer if req.return_logprob else None
+    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
+    # Logprob triples carry the token's text whenever logprobs are returned (SGLang's
+    # return_text_in_logprobs is accepted; the offline Engine fills the text too).
+    seqs = Sequences(1, params.n, native_rid=rid, token_text=ing.tokenizer.token_text)
+    assert seqs.native is not None
     if not req.stream:
         if not await collect(streams, seqs, http):
             return Response(status_code=499)
-        bodies = [native_response(rid, s, tok) for s in seqs.choices]
-        return JSONResponse(bodies[0] if params.n == 1 else bodies)
-    return sse_response(guarded(_native_events(rid, streams, seqs, tok, params.n > 1)))
+        return JSONResponse(seqs.native[0] if params.n == 1 else seqs.native)
+    return sse_response(guarded(_native_events(streams, seqs, params.n > 1), http))
 
 
-async def _native_events(
-    rid: str, streams: list[ReplicaStream], seqs: Sequences, tok: Any, indexed: bool
-) -> AsyncIterator[str]:
+async def _native_events(streams: list[ReplicaStream], seqs: Sequences, indexed: bool) -> AsyncIterator[str]:
     """SGLang streams cumulative text and ids: each event is the whole output so far."""
+    assert seqs.native is not None
     async for k, chunk in merged(streams):
         i = seqs.add(k, chunk)
         if chunk.token_ids or chunk.text or chunk.finished:
-            body = native_response(rid, seqs.choices[i], tok)
-            if indexed:
-                body["index"] = i
-            yield sse(body)
+            yield sse(dict(seqs.native[i], index=i) if indexed else seqs.native[i])

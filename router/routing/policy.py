@@ -2,9 +2,13 @@
 
 The ingress calls, per request (all methods are thread-safe; each takes the policy's lock once):
 
-    decision = policy.route(token_ids, policy.loads(replica_ids, reports))  # choose + dispatch
+    decision = policy.route(token_ids, policy.loads(replica_ids, reports), namespace)
     ... send to decision.replica_id ...
-    policy.on_complete(decision.replica_id, token_ids, output_ids)
+    policy.on_complete(decision.replica_id, token_ids, output_ids, namespace)
+
+`namespace` is the request's cache namespace (its tenant; None: the shared one). Prefixes are
+matched and recorded per namespace, as the replicas cache them: one tenant's prompts never
+attract another tenant's requests.
 
 `choose` alone decides without recording (for a caller that may still fail to dispatch);
 `on_dispatch` then records the request. Replicas' own reports correct the prefix tree through
@@ -20,20 +24,30 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.router.routing.prefix_tree import PrefixTree
+from radixserve.router.routing.prefix_tree import DEFAULT_MAX_TOKENS, Namespace, PrefixTree
 
 POLICY_NAMES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Router policy knobs. Threshold defaults follow SGLang's router (sgl-router RouterArgs)."""
+    """Router policy knobs: the one home of their defaults (the server's RouterConfig derives
+    its own from these). cache_threshold and the balance thresholds follow SGLang's router
+    (sgl-router RouterArgs); min_match_tokens and load_cost_tokens are CacheAwarePolicy's
+    guards against affinity that does not pay (see there). Chat templates put 20 to 40 equal
+    tokens (role headers, a default system line; SmolLM2's: 24) in front of unrelated prompts:
+    min_match_tokens = 64 leaves them out with a margin. load_cost_tokens = 64 prices a request
+    of extra load like one such minimal match: a 300-token prefix keeps its replica while that
+    replica carries at most 4 requests more than the least loaded one; past that, the prefix
+    is computed once more on another replica rather than queued behind the others."""
 
     policy: str = "cache_aware"
-    cache_threshold: float = 0.3  # match rate (matched / prompt length) that earns affinity
+    cache_threshold: float = 0.3  # match rate (matched / prompt length) that earns affinity ...
+    min_match_tokens: int = 64  # ... for a match at least this long
+    load_cost_tokens: int = 64  # matched tokens that pay for one request of extra load
     balance_abs_threshold: int = 64  # imbalanced if max_load - min_load > this ...
     balance_rel_threshold: float = 1.5  # ... and max_load > min_load * this
-    max_tree_tokens: int = 1 << 22  # token ids stored in the prefix tree, all replicas
+    max_tree_tokens: int = DEFAULT_MAX_TOKENS  # token ids stored in the prefix tree, all replicas
     max_tokens_per_replica: int | None = None  # None: only the total bound applies
     seed: int | None = None  # for power_of_two / random
 
@@ -42,6 +56,8 @@ class PolicyConfig:
             raise ValueError(f"unknown router policy {self.policy!r}; choose from {POLICY_NAMES}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError("cache_threshold must be within [0, 1]")
+        if self.min_match_tokens < 0 or self.load_cost_tokens < 0:
+            raise ValueError("min_match_tokens and load_cost_tokens must be >= 0")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
         if self.max_tree_tokens <= 0:
@@ -105,21 +121,25 @@ class RoutingPolicy:
         with self._lock:
             return [self._load_of(r, reports.get(r)) for r in replica_ids]
 
-    def choose(self, token_ids: Sequence[int], replicas: Sequence[ReplicaLoad]) -> Decision:
+    def choose(
+        self, token_ids: Sequence[int], replicas: Sequence[ReplicaLoad], namespace: Namespace = None
+    ) -> Decision:
         """Pick a replica for a prompt; records nothing but the decision counters."""
         with self._lock:
-            return self._decide(token_ids, replicas)
+            return self._decide(token_ids, replicas, namespace)
 
-    def on_dispatch(self, token_ids: Sequence[int], replica_id: str) -> None:
+    def on_dispatch(self, token_ids: Sequence[int], replica_id: str, namespace: Namespace = None) -> None:
         """The request was sent: count it in flight and record its prefix for that replica."""
         with self._lock:
-            self._dispatch(token_ids, replica_id)
+            self._dispatch(token_ids, replica_id, namespace)
 
-    def route(self, token_ids: Sequence[int], replicas: Sequence[ReplicaLoad]) -> Decision:
+    def route(
+        self, token_ids: Sequence[int], replicas: Sequence[ReplicaLoad], namespace: Namespace = None
+    ) -> Decision:
         """`choose` then `on_dispatch` atomically (concurrent equal prompts see each other)."""
         with self._lock:
-            decision = self._decide(token_ids, replicas)
-            self._dispatch(token_ids, decision.replica_id)
+            decision = self._decide(token_ids, replicas, namespace)
+            self._dispatch(token_ids, decision.replica_id, namespace)
             return decision
 
     def on_complete(
@@ -127,6 +147,7 @@ class RoutingPolicy:
         replica_id: str,
         token_ids: Sequence[int] | None = None,
         output_ids: Sequence[int] = (),
+        namespace: Namespace = None,
     ) -> None:
         """The request finished (or was aborted). Given the prompt, the replica's cache now holds
         prompt + output (the engine inserts finished sequences), which is recorded and touched.
@@ -138,7 +159,7 @@ class RoutingPolicy:
             if token_ids is not None:
                 left = self._in_flight_tokens[replica_id] - len(token_ids)
                 self._in_flight_tokens[replica_id] = max(0, left)
-                self._record([*token_ids, *output_ids], replica_id)
+                self._record([*token_ids, *output_ids], replica_id, namespace)
 
     def on_cancel(self, replica_id: str, token_ids: Sequence[int]) -> None:
         """Undo a dispatch that never reached the replica (it went elsewhere, or nowhere): only
@@ -158,11 +179,11 @@ class RoutingPolicy:
             self._in_flight_tokens.pop(replica_id, None)
             self._forget(replica_id)
 
-    def on_replica_events(self, replica_id, inserted=(), evicted=()) -> None:
-        """A replica's cache changes; see PrefixTree.apply_replica_events."""
+    def on_replica_events(self, replica_id, inserted=(), evicted=(), namespace=None) -> None:
+        """A replica's cache changes in one namespace; see PrefixTree.apply_replica_events."""
 
     def on_replica_summary(self, replica_id, summary, keep_newer_than=None) -> None:
-        """A replica's full cache report; see PrefixTree.sync_replica."""
+        """A replica's full cache report, (namespace, tokens) pairs; see PrefixTree.sync_replica."""
 
     def sync_point(self) -> int:
         """Read before asking a replica for its summary; pass back as `keep_newer_than`."""
@@ -191,10 +212,12 @@ class RoutingPolicy:
             queued=getattr(report, "queued", 0),
         )
 
-    def _decide(self, token_ids: Sequence[int], replicas: Sequence[ReplicaLoad]) -> Decision:
+    def _decide(
+        self, token_ids: Sequence[int], replicas: Sequence[ReplicaLoad], namespace: Namespace
+    ) -> Decision:
         if not replicas:
             raise NoReplicaAvailable("no replica is available to serve the request")
-        decision = self._choose(token_ids, replicas)
+        decision = self._choose(token_ids, replicas, namespace)
         self._counters["requests_total"] += 1
         self._counters["matched_tokens_total"] += decision.matched_tokens
         counter = {
@@ -206,16 +229,18 @@ class RoutingPolicy:
             self._counters[counter] += 1
         return decision
 
-    def _dispatch(self, token_ids: Sequence[int], replica_id: str) -> None:
+    def _dispatch(self, token_ids: Sequence[int], replica_id: str, namespace: Namespace) -> None:
         self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
         tokens = self._in_flight_tokens.get(replica_id, 0) + len(token_ids)
         self._in_flight_tokens[replica_id] = tokens
-        self._record(token_ids, replica_id)
+        self._record(token_ids, replica_id, namespace)
 
-    def _choose(self, token_ids: Sequence[int], replicas: Sequence[ReplicaLoad]) -> Decision:
+    def _choose(
+        self, token_ids: Sequence[int], replicas: Sequence[ReplicaLoad], namespace: Namespace
+    ) -> Decision:
         raise NotImplementedError
 
-    def _record(self, token_ids: Sequence[int], replica_id: str) -> None:
+    def _record(self, token_ids: Sequence[int], replica_id: str, namespace: Namespace) -> None:
         """Learn that the replica will cache these tokens (policies without a tree ignore it)."""
 
     def _forget(self, replica_id: str) -> None:
@@ -234,7 +259,7 @@ class RoundRobinPolicy(RoutingPolicy):
         super().__init__(config)
         self._next = 0
 
-    def _choose(self, token_ids, replicas) -> Decision:
+    def _choose(self, token_ids, replicas, namespace) -> Decision:
         chosen = replicas[self._next % len(replicas)]
         self._next += 1
         return Decision(chosen.replica_id, 0, self.name)
@@ -245,7 +270,7 @@ class PowerOfTwoPolicy(RoutingPolicy):
 
     name = "power_of_two"
 
-    def _choose(self, token_ids, replicas) -> Decision:
+    def _choose(self, token_ids, replicas, namespace) -> Decision:
         if len(replicas) == 1:
             return Decision(replicas[0].replica_id, 0, self.name)
         first, second = self._rng.sample(list(replicas), 2)
@@ -256,17 +281,26 @@ class PowerOfTwoPolicy(RoutingPolicy):
 class RandomPolicy(RoutingPolicy):
     name = "random"
 
-    def _choose(self, token_ids, replicas) -> Decision:
+    def _choose(self, token_ids, replicas, namespace) -> Decision:
         return Decision(self._rng.choice(list(replicas)).replica_id, 0, self.name)
 
 
 class CacheAwarePolicy(RoutingPolicy):
-    """SGLang's cache-aware policy over a token-id prefix tree, decided per request.
+    """SGLang's cache-aware policy over a token-id prefix tree, decided per request, with two
+    guards against affinity that does not pay.
+
+    Terms: load(r) is ReplicaLoad.load and `low` the lowest load among the candidates; match(r)
+    is r's longest claimed prefix of the prompt in the request's namespace. A match *counts* when
+    match >= min_match_tokens and match / prompt length > cache_threshold: the few dozen tokens a
+    chat template puts in front of every prompt are not worth a replica's queue.
 
     1. Imbalanced (max_load - min_load > abs AND max_load > min_load * rel): among the replicas
-       at min_load, the longest match; ties to the fewest claimed tokens, then the lowest id.
-    2. Else, if the longest match / prompt length > cache_threshold: that replica; ties to the
-       lower load, then the lowest id.
+       at `low`, the longest match; ties to the fewest claimed tokens, then the lowest id.
+    2. Else the cache hit h: among replicas whose match counts, the highest
+       match(h) - load_cost_tokens * load(h); ties to the lower load, then the lowest id. It wins
+       iff match(h) >= load_cost_tokens * (load(h) - low): every request it carries beyond the
+       least loaded replica must be paid for by load_cost_tokens matched tokens. (No other
+       counting match can pass when h fails; load_cost_tokens = 0 is SGLang's rule.)
     3. Else the least loaded; ties to the fewest claimed tokens (spreads new prefixes), then
        the lowest id.
     """
@@ -277,11 +311,12 @@ class CacheAwarePolicy(RoutingPolicy):
         super().__init__(config)
         self._tree = PrefixTree(self.config.max_tree_tokens, self.config.max_tokens_per_replica)
 
-    def _choose(self, token_ids, replicas) -> Decision:
-        matched = self._tree.match(token_ids)
+    def _choose(self, token_ids, replicas, namespace) -> Decision:
+        matched = self._tree.match(token_ids, namespace)
         loads = [r.load for r in replicas]
         low, high = min(loads), max(loads)
         cfg = self.config
+        cost = cfg.load_cost_tokens
 
         def match_of(r: ReplicaLoad) -> int:
             return matched.get(r.replica_id, 0)
@@ -289,25 +324,31 @@ class CacheAwarePolicy(RoutingPolicy):
         def claimed(r: ReplicaLoad) -> int:
             return self._tree.replica_tokens(r.replica_id)
 
+        def counts(r: ReplicaLoad) -> bool:
+            m = match_of(r)
+            return m > 0 and m >= cfg.min_match_tokens and m / len(token_ids) > cfg.cache_threshold
+
         if high - low > cfg.balance_abs_threshold and high > low * cfg.balance_rel_threshold:
             pool = [r for r in replicas if r.load == low]
             best = min(pool, key=lambda r: (-match_of(r), claimed(r), r.replica_id))
             return Decision(best.replica_id, match_of(best), "imbalance")
-        best = min(replicas, key=lambda r: (-match_of(r), r.load, r.replica_id))
-        if token_ids and match_of(best) / len(token_ids) > cfg.cache_threshold:
-            return Decision(best.replica_id, match_of(best), "cache_hit")
+        hits = [r for r in replicas if counts(r)]
+        if hits:
+            h = min(hits, key=lambda r: (cost * r.load - match_of(r), r.load, r.replica_id))
+            if match_of(h) >= cost * (h.load - low):
+                return Decision(h.replica_id, match_of(h), "cache_hit")
         best = min(replicas, key=lambda r: (r.load, claimed(r), r.replica_id))
         return Decision(best.replica_id, match_of(best), "cache_miss")
 
-    def _record(self, token_ids, replica_id) -> None:
-        self._tree.insert(token_ids, replica_id)
+    def _record(self, token_ids, replica_id, namespace) -> None:
+        self._tree.insert(token_ids, replica_id, namespace)
 
     def _forget(self, replica_id) -> None:
         self._tree.remove_replica(replica_id)
 
-    def on_replica_events(self, replica_id, inserted=(), evicted=()) -> None:
+    def on_replica_events(self, replica_id, inserted=(), evicted=(), namespace=None) -> None:
         with self._lock:
-            self._tree.apply_replica_events(replica_id, inserted, evicted)
+            self._tree.apply_replica_events(replica_id, inserted, evicted, namespace)
 
     def on_replica_summary(self, replica_id, summary, keep_newer_than=None) -> None:
         with self._lock:

@@ -4,6 +4,9 @@ The router cannot see the replicas' KV caches, so it keeps a model of them: one 
 replicas, each node an edge of token ids claimed by the replicas believed to cache that prefix.
 
 Contract:
+- Namespaces (tenants) have separate roots, as in the replicas' radix caches: a sequence is
+  matched, recorded and evicted within one namespace (None: the shared one), and a prefix of one
+  namespace never matches a query of another.
 - Claims are prefix-closed: a replica that claims a node claims every ancestor. `match` therefore
   reports, per replica, the length of the longest claimed prefix of the query.
 - Recency is a logical clock (one tick per insert), not wall time, so eviction orders are exact
@@ -12,8 +15,9 @@ Contract:
   (a node it claims with no child it claims), never a middle of its path.
 - Budgets: `max_tokens` bounds the tokens stored in the tree (shared edges count once);
   a per-replica budget (default `max_tokens_per_replica`, or `set_replica_budget`) bounds the
-  tokens one replica claims. An insert longer than a budget is recorded only up to the budget.
-  Over a budget, LRU leaf claims are dropped until it fits; a node left with no claim is deleted.
+  tokens one replica claims, in all namespaces together (they share the replica's KV pool). An
+  insert longer than a budget is recorded only up to the budget. Over a budget, LRU leaf claims
+  are dropped until it fits; a node left with no claim is deleted, and so is an empty root.
 - Not thread-safe: the owner (RoutingPolicy) serializes calls with its lock. `match` is
   read-only; everything else mutates.
 """
@@ -24,19 +28,23 @@ import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 
+DEFAULT_MAX_TOKENS = 1 << 22  # token ids the tree stores, all replicas and namespaces together
 _BLOCK = 64  # tokens compared per slice while hunting for the first mismatch
+
+Namespace = str | None
 
 
 class _Node:
-    __slots__ = ("key", "parent", "children", "replicas", "child_claims", "alive")
+    __slots__ = ("key", "parent", "children", "replicas", "child_claims", "alive", "namespace")
 
-    def __init__(self, key: tuple[int, ...], parent: _Node | None):
+    def __init__(self, key: tuple[int, ...], parent: _Node | None, namespace: Namespace = None):
         self.key = key
         self.parent = parent
         self.children: dict[int, _Node] = {}
         self.replicas: dict[str, int] = {}  # replica -> logical time of its last touch here
         self.child_claims: dict[str, int] = {}  # replica -> how many children it claims
         self.alive = True
+        self.namespace = namespace  # only meaningful on roots
 
 
 def common_prefix_len(key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
@@ -58,12 +66,12 @@ def common_prefix_len(key: tuple[int, ...], tokens: tuple[int, ...], start: int)
 
 
 class PrefixTree:
-    def __init__(self, max_tokens: int = 1 << 22, max_tokens_per_replica: int | None = None):
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_per_replica: int | None = None):
         if max_tokens <= 0:
             raise ValueError("max_tokens must be positive")
         self.max_tokens = max_tokens
         self.max_tokens_per_replica = max_tokens_per_replica
-        self._root = _Node((), None)
+        self._roots: dict[Namespace, _Node] = {}  # created on first insert, deleted when empty
         self._clock = 0
         self._seq = itertools.count()  # heap tie-break; nodes are not comparable
         self._total_tokens = 0
@@ -94,6 +102,10 @@ class PrefixTree:
     def replicas(self) -> list[str]:
         return sorted(r for r, n in self._replica_tokens.items() if n > 0)
 
+    @property
+    def num_namespaces(self) -> int:
+        return len(self._roots)
+
     def replica_budget(self, replica_id: str) -> int:
         budget = self._budgets.get(replica_id, self.max_tokens_per_replica)
         return self.max_tokens if budget is None else min(budget, self.max_tokens)
@@ -108,12 +120,13 @@ class PrefixTree:
 
     # ---- queries --------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int]) -> dict[str, int]:
-        """Per replica, the length of its longest claimed prefix of `tokens` (absent if 0)."""
+    def match(self, tokens: Sequence[int], namespace: Namespace = None) -> dict[str, int]:
+        """Per replica, the length of its longest claimed prefix of `tokens` within `namespace`
+        (absent if 0)."""
         tokens = tuple(tokens)
         matched: dict[str, int] = {}
-        node, pos = self._root, 0
-        while pos < len(tokens):
+        node, pos = self._roots.get(namespace), 0
+        while node is not None and pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 break
@@ -128,8 +141,9 @@ class PrefixTree:
 
     # ---- updates --------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], replica_id: str) -> int:
-        """Record that `replica_id` caches `tokens` (and so all its prefixes); touch the path.
+    def insert(self, tokens: Sequence[int], replica_id: str, namespace: Namespace = None) -> int:
+        """Record that `replica_id` caches `tokens` (and so all its prefixes) in `namespace`;
+        touch the path.
 
         Returns how many tokens were recorded (fewer when the sequence exceeds a budget).
         May evict other LRU claims of this replica, then of any replica, to stay in budget.
@@ -138,7 +152,7 @@ class PrefixTree:
         if not tokens:
             return 0
         self._clock += 1
-        node, pos = self._root, 0
+        node, pos = self._root(namespace), 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -155,8 +169,8 @@ class PrefixTree:
         self._evict_total()
         return len(tokens)
 
-    def evict_prefix(self, tokens: Sequence[int], replica_id: str) -> None:
-        """The replica no longer holds `tokens` nor any extension of it.
+    def evict_prefix(self, tokens: Sequence[int], replica_id: str, namespace: Namespace = None) -> None:
+        """The replica no longer holds `tokens` nor any extension of it (in `namespace`).
 
         Its claim along this path is cut to len(tokens) - 1 tokens: the replica is assumed to
         still hold the shorter prefixes. A replica's radix cache that evicts the node with key K
@@ -164,8 +178,8 @@ class PrefixTree:
         len(K) - 1 tokens until the next `sync_replica`. Unknown paths are ignored.
         """
         tokens = tuple(tokens)
-        node, pos = self._root, 0
-        while pos < len(tokens):
+        node, pos = self._roots.get(namespace), 0
+        while node is not None and pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None or replica_id not in child.replicas:
                 return
@@ -186,27 +200,27 @@ class PrefixTree:
         replica_id: str,
         inserted: Iterable[Sequence[int]] = (),
         evicted: Iterable[Sequence[int]] = (),
+        namespace: Namespace = None,
     ) -> None:
-        """Apply a replica's reported cache changes: all `evicted` first, then all `inserted`.
-
-        Send separate calls when the order within a window matters.
+        """Apply a replica's reported cache changes in one namespace: all `evicted` first, then
+        all `inserted`. Send separate calls when the order within a window matters.
         """
         for tokens in evicted:
-            self.evict_prefix(tokens, replica_id)
+            self.evict_prefix(tokens, replica_id, namespace)
         for tokens in inserted:
-            self.insert(tokens, replica_id)
+            self.insert(tokens, replica_id, namespace)
 
     def sync_replica(
         self,
         replica_id: str,
-        summary: Iterable[Sequence[int]],
+        summary: Iterable[tuple[Namespace, Sequence[int]]],
         keep_newer_than: int | None = None,
     ) -> None:
-        """Replace the replica's claims by its own report of what it caches.
+        """Replace the replica's claims, in every namespace, by its own report of what it caches.
 
-        `summary` lists cached sequences (e.g. the full paths of its radix tree's leaves), least
-        recently used first; afterwards the replica claims exactly their prefixes, stamped in
-        that order. Claims touched after `keep_newer_than` (a `clock` value read when the report
+        `summary` lists (namespace, cached sequence) pairs (e.g. the full paths of its radix
+        tree's leaves), least recently used first; afterwards the replica claims exactly their
+        prefixes, stamped in that order. Claims touched after `keep_newer_than` (a `clock` value read when the report
         was requested) are kept, so requests routed while the report was in flight still count.
         """
         claims = self._claims.get(replica_id, set())
@@ -215,8 +229,8 @@ class PrefixTree:
         else:
             stale = [n for n in claims if n.replicas[replica_id] <= keep_newer_than]
         self._drop_claims(replica_id, stale)
-        for tokens in summary:
-            self.insert(tokens, replica_id)
+        for namespace, tokens in summary:
+            self.insert(tokens, replica_id, namespace)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica entirely (it died or was scaled away)."""
@@ -225,6 +239,12 @@ class PrefixTree:
             table.pop(replica_id, None)
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _root(self, namespace: Namespace) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node((), None, namespace)
+        return root
 
     def _new_child(self, parent: _Node, key: tuple[int, ...]) -> _Node:
         child = _Node(key, parent)
@@ -235,8 +255,10 @@ class PrefixTree:
 
     def _split(self, node: _Node, k: int) -> _Node:
         """Cut `node` after its first k tokens; return the new upper half (same claims)."""
-        upper = _Node(node.key[:k], node.parent)
-        node.parent.children[upper.key[0]] = upper
+        parent = node.parent
+        assert parent is not None  # roots are never split, claimed or deleted
+        upper = _Node(node.key[:k], parent)
+        parent.children[upper.key[0]] = upper
         node.key = node.key[k:]
         node.parent = upper
         upper.children[node.key[0]] = node
@@ -252,6 +274,7 @@ class PrefixTree:
             self._claims.setdefault(replica_id, set()).add(node)
             self._replica_tokens[replica_id] = self.replica_tokens(replica_id) + len(node.key)
             parent = node.parent
+            assert parent is not None
             parent.child_claims[replica_id] = parent.child_claims.get(replica_id, 0) + 1
         node.replicas[replica_id] = self._clock
 
@@ -263,6 +286,7 @@ class PrefixTree:
             self._replica_tokens[replica_id] -= len(node.key)
         for node in nodes:
             parent = node.parent
+            assert parent is not None
             left = parent.child_claims[replica_id] - 1
             if left:
                 parent.child_claims[replica_id] = left
@@ -277,8 +301,12 @@ class PrefixTree:
     def _delete(self, node: _Node) -> None:
         # Prefix-closure: a node nobody claims has no claimed descendants, so none survive it.
         node.alive = False
-        if node.parent.children.get(node.key[0]) is node:
-            del node.parent.children[node.key[0]]
+        parent = node.parent
+        assert parent is not None
+        if parent.children.get(node.key[0]) is node:
+            del parent.children[node.key[0]]
+        if parent.parent is None and not parent.children:
+            del self._roots[parent.namespace]
         self._total_tokens -= len(node.key)
         self._num_nodes -= 1
 
@@ -338,19 +366,21 @@ class PrefixTree:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping disagrees with the tree (for tests)."""
-        tokens, nodes, claims = 0, 0, {}
-        stack = list(self._root.children.values())
+        tokens, nodes = 0, 0
+        claims: dict[str, set[_Node]] = {}
+        for namespace, root in self._roots.items():
+            assert root.namespace == namespace and root.parent is None and not root.replicas
+            assert root.children, "an empty root was kept"
+            assert _claim_counts(root) == root.child_claims, "root child_claims out of date"
+        stack = [c for root in self._roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             tokens += len(node.key)
             nodes += 1
             assert node.alive and node.key and node.replicas, "empty or dead node in tree"
-            assert node.parent.children[node.key[0]] is node
-            counts: dict[str, int] = {}
-            for child in node.children.values():
-                for replica in child.replicas:
-                    assert replica in node.replicas, "claims are not prefix-closed"
-                    counts[replica] = counts.get(replica, 0) + 1
+            assert node.parent is not None and node.parent.children[node.key[0]] is node
+            counts = _claim_counts(node)
+            assert set(counts) <= set(node.replicas), "claims are not prefix-closed"
             assert counts == node.child_claims, "child_claims out of date"
             for replica in node.replicas:
                 claims.setdefault(replica, set()).add(node)
@@ -359,3 +389,12 @@ class PrefixTree:
         assert claims == {r: c for r, c in self._claims.items() if c}, "claim sets drifted"
         for replica, owned in claims.items():
             assert sum(len(n.key) for n in owned) == self._replica_tokens[replica]
+
+
+def _claim_counts(node: _Node) -> dict[str, int]:
+    """Per replica, how many of `node`'s children it claims (what child_claims should hold)."""
+    counts: dict[str, int] = {}
+    for child in node.children.values():
+        for replica in child.replicas:
+            counts[replica] = counts.get(replica, 0) + 1
+    return counts

@@ -7,8 +7,8 @@ dead ones, probing queue lengths, retrying a request whose replica refused or di
 accepting it. This class only answers "which replica" from the policy, and keeps the policy's
 in-flight counts and prefix tree in step with where requests really went:
 
-- `choose_replicas`: `generate` calls carry a `GenerateRequest` dict; its token ids go to the
-  policy, which records the dispatch right away (a burst of one new prefix then stays together).
+- `choose_replicas`: `generate` calls carry a `GenerateRequest` dict; its token ids and cache
+  namespace (the tenant) go to the policy, which records the dispatch right away (a burst of one new prefix then stays together).
   The first rank is the policy's choice, the second the others by load (used only if the first
   is full). Control calls (`model_card`, ...) go to the least loaded.
 - `on_request_routed` (the replica accepted): confirms the record, or moves it.
@@ -19,11 +19,12 @@ in-flight counts and prefix tree in step with where requests really went:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from radixserve.router.routing.policy import PolicyConfig
+from radixserve.router.routing.prefix_tree import Namespace
 from radixserve.router.routing.routing_state import RoutingState, routing_state
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,13 @@ def state_key(app_name: str, deployment_name: str) -> str:
     return f"{app_name}/{deployment_name}"
 
 
-def prompt_ids(pending_request: PendingRequest | None) -> list[int] | None:
-    """The prompt token ids of a `generate` call, None for any other call."""
+class Prompt(NamedTuple):
+    namespace: Namespace
+    token_ids: list[int]
+
+
+def routed_prompt(pending_request: PendingRequest | None) -> Prompt | None:
+    """The cache namespace and prompt token ids of a `generate` call, None for any other call."""
     if pending_request is None or pending_request.metadata.call_method != ROUTED_METHOD:
         return None
     args = pending_request.args
@@ -45,7 +51,10 @@ def prompt_ids(pending_request: PendingRequest | None) -> list[int] | None:
     if not isinstance(request, dict):
         return None
     ids = request.get("input_ids")
-    return ids if isinstance(ids, list) and ids else None
+    if not isinstance(ids, list) or not ids:
+        return None
+    namespace = request.get("namespace")
+    return Prompt(namespace if isinstance(namespace, str) else None, ids)
 
 
 class PolicyRequestRouter(RequestRouter):
@@ -67,17 +76,18 @@ class PolicyRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = self.state.loads(list(by_id))
         ranked = [by_id[x.replica_id] for x in sorted(loads, key=lambda x: (x.load, x.replica_id))]
-        tokens = prompt_ids(pending_request)
-        if tokens is None:
+        prompt = routed_prompt(pending_request)
+        if prompt is None or pending_request is None:
             return [ranked]
         request_id = pending_request.metadata.internal_request_id
-        chosen = self.state.route(request_id, tokens, list(by_id)).replica_id
+        chosen = self.state.route(request_id, prompt.token_ids, list(by_id), prompt.namespace).replica_id
         return [[by_id[chosen]], [r for r in ranked if r.replica_id.unique_id != chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        tokens = prompt_ids(pending_request)
-        if tokens is not None:
-            self.state.on_dispatch(pending_request.metadata.internal_request_id, tokens, replica_id.unique_id)
+        prompt = routed_prompt(pending_request)
+        if prompt is not None:
+            request_id = pending_request.metadata.internal_request_id
+            self.state.on_dispatch(request_id, prompt.token_ids, replica_id.unique_id, prompt.namespace)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.state.on_complete(internal_request_id, replica_id.unique_id)

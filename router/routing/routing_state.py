@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from radixserve.router.routing.policy import (
     RoutingPolicy,
     policy_from_config,
 )
+from radixserve.router.routing.prefix_tree import Namespace
 from radixserve.workers.protocol import ReplicaStats
 
 REPORT_TTL_S = 30.0  # a replica's load report older than this no longer counts
@@ -42,13 +44,15 @@ class RoutingState:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
+        self.instance_id = uuid.uuid4().hex[:12]  # tells apart the ingresses' views of a deployment
         self.policy: RoutingPolicy = policy_from_config(config)
         self.report_ttl_s = report_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
         self._replicas: set[str] = set()
         self._reports: dict[str, tuple[float, ReplicaStats]] = {}
-        self._live: dict[str, tuple[str, list[int]]] = {}  # request id -> (replica, prompt)
+        # request id -> (replica, namespace, prompt)
+        self._live: dict[str, tuple[str, Namespace, list[int]]] = {}
         self._provisional: dict[str, float] = {}  # routed, not yet accepted: id -> when
         self._last_expiry = clock()
         self._removed_total = 0
@@ -98,11 +102,19 @@ class RoutingState:
             reports = {r: s for r, (t, s) in self._reports.items() if now - t <= self.report_ttl_s}
         return self.policy.loads(replica_ids, reports)
 
-    def choose(self, token_ids: Sequence[int], replica_ids: Sequence[str]) -> Decision:
+    def choose(
+        self, token_ids: Sequence[int], replica_ids: Sequence[str], namespace: Namespace = None
+    ) -> Decision:
         """Decide without recording anything (a request that will not be tracked)."""
-        return self.policy.choose(token_ids, self.loads(replica_ids))
+        return self.policy.choose(token_ids, self.loads(replica_ids), namespace)
 
-    def route(self, request_id: str, token_ids: Sequence[int], replica_ids: Sequence[str]) -> Decision:
+    def route(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        replica_ids: Sequence[str],
+        namespace: Namespace = None,
+    ) -> Decision:
         """Decide and record the dispatch at once, so that the next request (a burst of equal
         prefixes) already sees this one, before the replica has even accepted it. The record is
         provisional until `on_dispatch` confirms or moves it; unconfirmed ones expire after
@@ -110,13 +122,15 @@ class RoutingState:
         again for the same request (Serve retries) replaces the earlier record."""
         self._expire_provisional()
         self._cancel(request_id)
-        decision = self.policy.route(token_ids, self.loads(replica_ids))
+        decision = self.policy.route(token_ids, self.loads(replica_ids), namespace)
         with self._lock:
-            self._live[request_id] = (decision.replica_id, list(token_ids))
+            self._live[request_id] = (decision.replica_id, namespace, list(token_ids))
             self._provisional[request_id] = self._clock()
         return decision
 
-    def on_dispatch(self, request_id: str, token_ids: Sequence[int], replica_id: str) -> None:
+    def on_dispatch(
+        self, request_id: str, token_ids: Sequence[int], replica_id: str, namespace: Namespace = None
+    ) -> None:
         """Request `request_id` was accepted by `replica_id`: confirms `route`'s record, or
         moves it there (Serve placed it elsewhere, e.g. the chosen replica was full)."""
         with self._lock:
@@ -128,8 +142,8 @@ class RoutingState:
         with self._lock:
             if replica_id not in self._replicas:  # a late dispatch must not resurrect a replica
                 return
-            self._live[request_id] = (replica_id, list(token_ids))
-        self.policy.on_dispatch(token_ids, replica_id)
+            self._live[request_id] = (replica_id, namespace, list(token_ids))
+        self.policy.on_dispatch(token_ids, replica_id, namespace)
 
     def on_complete(self, request_id: str, replica_id: str) -> None:
         """Request `request_id` ended on `replica_id` (finished, failed or cancelled). Ends of
@@ -140,14 +154,14 @@ class RoutingState:
                 return
             del self._live[request_id]
             self._provisional.pop(request_id, None)
-        self.policy.on_complete(replica_id, live[1])
+        self.policy.on_complete(replica_id, live[2], namespace=live[1])
 
     def _cancel(self, request_id: str) -> None:
         with self._lock:
             live = self._live.pop(request_id, None)
             self._provisional.pop(request_id, None)
         if live is not None:
-            self.policy.on_cancel(*live)
+            self.policy.on_cancel(live[0], live[2])
 
     def _expire_provisional(self) -> None:
         now = self._clock()
@@ -166,10 +180,13 @@ class RoutingState:
         return self.policy.sync_point()
 
     def apply_report(
-        self, stats: ReplicaStats, prefixes: Sequence[Sequence[int]] | None, sync_point: int
+        self,
+        stats: ReplicaStats,
+        prefixes: Sequence[tuple[Namespace, Sequence[int]]] | None,
+        sync_point: int,
     ) -> bool:
-        """One replica's report: its load and pool size, and (when given) its cached prefixes,
-        least recently used first. The prompts still running there count as its newest
+        """One replica's report: its load and pool size, and (when given) its cached prefixes as
+        (namespace, tokens) pairs, least recently used first. The prompts still running there count as its newest
         prefixes: the report may predate their insertion, and the replica will cache them.
         Reports of replicas Serve no longer routes to are dropped (returns False), so a report
         racing a removal cannot bring a dead replica back."""
@@ -178,7 +195,7 @@ class RoutingState:
             if replica_id not in self._replicas:
                 return False
             self._reports[replica_id] = (self._clock(), stats)
-            live = [t for r, t in self._live.values() if r == replica_id]
+            live = [(ns, t) for r, ns, t in self._live.values() if r == replica_id]
             if prefixes is not None:
                 self._summaries_total += 1
         if stats.kv_total:
@@ -189,13 +206,20 @@ class RoutingState:
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.policy.snapshot()
+        snap["instance_id"] = self.instance_id
         with self._lock:
             snap["replicas"] = sorted(self._replicas)
             snap["replicas_removed_total"] = self._removed_total
             snap["summaries_applied_total"] = self._summaries_total
         snap["config"] = {
             k: getattr(self.config, k)
-            for k in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+            for k in (
+                "cache_threshold",
+                "min_match_tokens",
+                "load_cost_tokens",
+                "balance_abs_threshold",
+                "balance_rel_threshold",
+            )
         }
         return snap
 
@@ -212,8 +236,3 @@ def routing_state(key: str, config: PolicyConfig) -> RoutingState:
         if state is None:
             state = _STATES[key] = RoutingState(config)
         return state
-
-
-def drop_routing_state(key: str) -> None:
-    with _STATES_LOCK:
-        _STATES.pop(key, None)

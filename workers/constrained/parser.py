@@ -1,9 +1,13 @@
 """Turn a user's grammar text into an xgrammar `Grammar`, or an `InvalidRequest` that says why not.
 
-Parsing is cheap (no token masks are built), so the HTTP layer can call `parse_grammar` to answer
-400 before a request is queued. xgrammar 0.2.9 silently drops some JSON-schema keywords (the
-output would then not validate against the schema the user sent), so those are refused here with
-the path of the offending keyword instead of being relaxed behind the user's back.
+Everything here runs in the compile worker process (compile_worker.py), never on an event loop or
+the engine thread: parsing a large or deeply nested schema takes time, and xgrammar cannot be
+interrupted. Only `check_text` (type and length, O(1)) also runs in the caller, so that an
+oversized text is refused before it is shipped to the worker.
+
+xgrammar 0.2.9 silently drops some JSON-schema keywords (the output would then not validate
+against the schema the user sent), so those are refused here with the path of the offending
+keyword instead of being relaxed behind the user's back.
 """
 
 from __future__ import annotations
@@ -17,18 +21,14 @@ import xgrammar as xgr
 
 from radixserve.workers.protocol import InvalidRequest
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+# The kinds are also the request fields they come from (OpenAI's `param` in the error body).
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
-# The request field each kind came from (OpenAI's `param` in the error body).
-PARAM_OF_KIND = {
-    "json_schema": "json_schema",
-    "json_object": "response_format",
-    "regex": "regex",
-    "ebnf": "ebnf",
-}
-
-# "Any JSON object" for response_format {"type": "json_object"}.
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# Checked before anything is parsed. Compile time grows with both, superlinearly with nesting
+# (an array schema nested 128 deep takes 0.25 s to compile, 900 deep 34 s); a compile past the
+# timeout is killed anyway, but these refuse the obvious cases at once and with a precise reason.
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_JSON_DEPTH = 64  # objects and arrays in the schema's JSON text, the outermost one included
 
 # Keywords xgrammar 0.2.9 accepts but ignores (verified against its converter): honouring the
 # request would need them, so a schema using them is refused rather than half-enforced.
@@ -64,17 +64,27 @@ def clean_error(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def parse_grammar(kind: str, text: str, any_whitespace: bool = False) -> xgr.Grammar:
-    """The xgrammar Grammar for (kind, text); raises InvalidRequest (param, code set) if bad."""
+def check_text(kind: str, text: Any) -> None:
+    """The checks that need no parsing: a known kind (ValueError otherwise: a caller's bug), a
+    string, not longer than MAX_GRAMMAR_CHARS (InvalidRequest)."""
     if kind not in GRAMMAR_KINDS:
         raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
-    param = PARAM_OF_KIND[kind]
-    if kind != "json_object" and not isinstance(text, str):
-        raise InvalidRequest(f"'{param}' must be a string", param, "invalid_grammar")
-    if kind in ("json_schema", "json_object"):
-        schema_text = JSON_OBJECT_SCHEMA if kind == "json_object" else text
-        check_json_schema(schema_text)
-        build = lambda: xgr.Grammar.from_json_schema(schema_text, any_whitespace=any_whitespace)
+    if not isinstance(text, str):
+        raise InvalidRequest(f"'{kind}' must be a string", kind, "invalid_grammar")
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(
+            f"the {kind} is {len(text)} characters long; at most {MAX_GRAMMAR_CHARS} are allowed",
+            kind,
+            "grammar_too_large",
+        )
+
+
+def parse_grammar(kind: str, text: str, any_whitespace: bool = False) -> xgr.Grammar:
+    """The xgrammar Grammar for (kind, text); raises InvalidRequest (param, code set) if bad."""
+    check_text(kind, text)
+    if kind == "json_schema":
+        check_json_schema(text)
+        build = lambda: xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
         what, code = "JSON schema", "invalid_schema"
     elif kind == "regex":
         build = lambda: xgr.Grammar.from_regex(text)
@@ -85,23 +95,50 @@ def parse_grammar(kind: str, text: str, any_whitespace: bool = False) -> xgr.Gra
     try:
         return build()
     except RuntimeError as exc:
-        raise InvalidRequest(f"invalid {what}: {clean_error(exc)}", param, code) from None
+        raise InvalidRequest(f"invalid {what}: {clean_error(exc)}", kind, code) from None
 
 
 def check_json_schema(text: str) -> None:
-    """Refuse text that is not JSON, not a schema (object or bool), or uses unsupported features."""
+    """Refuse text that is not JSON, nested deeper than MAX_JSON_DEPTH, not a schema (object or
+    bool), or uses unsupported features."""
     try:
         schema = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except RecursionError:  # the C parser gives up near sys.getrecursionlimit() levels
+        raise _too_deep() from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
         raise InvalidRequest(f"json_schema is not valid JSON: {exc}", "json_schema", "invalid_json") from None
+    if _depth(schema) > MAX_JSON_DEPTH:
+        raise _too_deep()
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(
             f"a JSON schema must be an object or a boolean, got {type(schema).__name__}",
             "json_schema",
             "invalid_schema",
         )
-    for path, node in _subschemas(schema, "$"):
+    for path, node in _subschemas(schema):
         _check_node(path, node)
+
+
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest(
+        f"the json_schema nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
+        "json_schema",
+        "schema_too_deep",
+    )
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of objects and arrays (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in node)
+    return deepest
 
 
 def _unsupported(path: str, what: str) -> InvalidRequest:
@@ -143,19 +180,24 @@ def _check_pattern(where: str, pattern: str) -> None:
         ) from None
 
 
-def _subschemas(node: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Every schema object in the tree (never property names or enum/const values)."""
-    if not isinstance(node, dict):
-        return
-    yield path, node
-    for key in _SUBSCHEMA:
-        if isinstance(node.get(key), dict):
-            yield from _subschemas(node[key], f"{path}.{key}")
-    for key in _SUBSCHEMA_MAP:
-        if isinstance(node.get(key), dict):
-            for name, sub in node[key].items():
-                yield from _subschemas(sub, f"{path}.{key}.{name}")
-    for key in _SUBSCHEMA_LIST:
-        if isinstance(node.get(key), list):
-            for i, sub in enumerate(node[key]):
-                yield from _subschemas(sub, f"{path}.{key}[{i}]")
+def _subschemas(schema: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every schema object in the tree, parents before children and siblings in order (never
+    property names or enum/const values). Iterative: the depth is bounded by the caller, but a
+    walk must not depend on the interpreter's recursion limit."""
+    stack = [("$", schema)]
+    while stack:
+        path, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield path, node
+        children = []
+        for key in _SUBSCHEMA:
+            if isinstance(node.get(key), dict):
+                children.append((f"{path}.{key}", node[key]))
+        for key in _SUBSCHEMA_MAP:
+            if isinstance(node.get(key), dict):
+                children += [(f"{path}.{key}.{name}", sub) for name, sub in node[key].items()]
+        for key in _SUBSCHEMA_LIST:
+            if isinstance(node.get(key), list):
+                children += [(f"{path}.{key}[{i}]", sub) for i, sub in enumerate(node[key])]
+        stack.extend(reversed(children))

@@ -9,13 +9,15 @@ from typing import Any
 from radixserve.workers.mem_cache.radix_cache import EVICTION_POLICIES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
+# Only the CPU path exists; "auto" picks it. Another device is refused rather than ignored.
+DEVICES = ("auto", "cpu")
 
-# enable_overlap=None picks, per device type, the mode that measured faster. CPU (2 cores,
-# SmolLM2-135M, one engine per process): batch-16 decode 450 tok/s off, 285-300 on; bench_offline
-# --overlap both --scale 0.5: on/off 0.66x (decode b8), 0.56x (b32), 0.55x (prefill-heavy mix). The forward's OpenMP team already uses every core, so a busy engine thread beside it only
-# preempts a worker mid-op; the host work it could hide is ~4 ms of a ~27 ms step. CUDA: the
-# forward runs on the GPU while the host works, so the hidden host time is a real gain.
-OVERLAP_BY_DEVICE = {"cpu": False, "cuda": True}
+# enable_overlap=None leaves overlap off: it measured slower on CPU (2 cores, SmolLM2-135M, one
+# engine per process): batch-16 decode 450 tok/s off, 285-300 on; bench_offline --overlap both
+# --scale 0.5: on/off 0.66x (decode b8), 0.56x (b32), 0.55x (prefill-heavy mix). The forward's
+# OpenMP team already uses every core, so a busy engine thread beside it only preempts a worker
+# mid-op; the host work it could hide is ~4 ms of a ~27 ms step.
+DEFAULT_OVERLAP = False
 
 
 @dataclass(frozen=True)
@@ -23,19 +25,22 @@ class EngineConfig:
     model_path: str | None = None  # None = the embedded default model
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = bf16 where the CPU/GPU supports it, else fp32
-    device: str = "auto"
+    device: str = "auto"  # one of DEVICES
     context_length: int | None = None  # default: the model's
     mem_fraction_static: float | None = None  # share of memory for weights + KV pool
     max_total_tokens: int | None = None  # KV pool size in tokens (wins over mem_fraction_static)
     page_size: int = 1
     max_running_requests: int = 64
-    max_queued_requests: int | None = None  # None = unbounded
+    # Queued sequences (not requests: n = 8 counts 8), from submission until admitted to the
+    # running batch; beyond it submissions get QueueFull (503). None = unbounded. The name is kept
+    # for compatibility with SGLang's flag.
+    max_queued_requests: int | None = None
     max_prefill_tokens: int = 8192  # token budget of one prefill batch
     chunked_prefill_size: int = 2048  # -1 or 0 disables chunking
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu (radix_cache.py)
-    enable_overlap: bool | None = None  # None = on where it measures faster
+    enable_overlap: bool | None = None  # None = DEFAULT_OVERLAP
     attention_backend: str = "auto"
     random_seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = all cores
@@ -44,6 +49,10 @@ class EngineConfig:
     stream_interval: int = 1  # stream every N tokens
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(
+                f"device {self.device!r} is not supported; supported devices: {', '.join(DEVICES)}"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
@@ -61,8 +70,9 @@ class EngineConfig:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError("max_total_tokens must be >= 1")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError("max_queued_requests must be >= 0")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            # Every request waits a moment before it runs: a limit of 0 would refuse them all.
+            raise ValueError("max_queued_requests must be >= 1 (unset for no limit)")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
 
@@ -74,11 +84,14 @@ class EngineConfig:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model_path=model_path, **kwargs)
 
-    def overlap_for(self, device_type: str) -> bool:
-        """Whether the engine overlaps host work with the forward on this device type."""
-        if self.enable_overlap is not None:
-            return self.enable_overlap
-        return OVERLAP_BY_DEVICE.get(device_type, False)
+    @property
+    def overlap(self) -> bool:
+        """Whether the engine overlaps host work with the forward."""
+        return DEFAULT_OVERLAP if self.enable_overlap is None else self.enable_overlap
+
+    def context_cap(self, model_context_length: int) -> int:
+        """The context length the engine serves: the configured one, never above the model's."""
+        return min(self.context_length or model_context_length, model_context_length)
 
     @property
     def chunk_size(self) -> int | None:

@@ -17,6 +17,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
+from radixserve.workers.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    CacheSummary,
+    Command,
+    FlushCache,
+    Stop,
+)
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.engine_core import EngineCore
 from radixserve.workers.executor.cpu_runtime import on_short_lived_thread
@@ -27,6 +35,8 @@ from radixserve.workers.protocol import (
     QueueFull,
     ReplicaStats,
     SamplingParams,
+    add_to_native_result,
+    native_result,
 )
 
 logger = logging.getLogger("radixserve.engine")
@@ -35,8 +45,8 @@ logger = logging.getLogger("radixserve.engine")
 class RequestStream:
     """Async iterator over one request's OutputChunks (all n sequences interleaved).
 
-    Raises InvalidRequest from the first `__anext__` if the request is refused after submission
-    (e.g. its grammar fails to compile).
+    Raises InvalidRequest if the request is refused after submission (its grammar does not
+    compile), EngineError if the engine fails it; either ends the stream.
     """
 
     def __init__(self, rid: str, n: int, loop: asyncio.AbstractEventLoop):
@@ -71,8 +81,9 @@ class Engine:
         self.tokenizer = self.core.tokenizer
         self.model_config = self.core.model_config
         self.served_model_name = self.core.served_model_name
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._open_sequences = 0  # of the streams: sequences whose final chunk has not been sent
         self._lock = threading.Lock()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
@@ -80,46 +91,57 @@ class Engine:
 
     # Submission ------------------------------------------------------------------------------
     def submit(self, request: GenerateRequest) -> RequestStream:
-        """Queue a tokenized request; call from a running event loop and consume there."""
+        """Queue a tokenized request; call from a running event loop and consume there.
+
+        Raises InvalidRequest (a bad request) or QueueFull (`max_queued_requests` sequences are
+        waiting already) before anything is queued."""
         if self._stopped:
             raise RuntimeError("engine is shut down")
         loop = asyncio.get_running_loop()
         reqs = self.core.make_reqs(request)  # validates; raises InvalidRequest
         limit = self.config.max_queued_requests
-        if limit is not None and self.num_queued() >= limit:
-            raise QueueFull(f"the request queue is full ({limit} requests waiting); retry later")
         with self._lock:
             if request.rid in self._streams:
                 raise InvalidRequest(f"request id {request.rid!r} is already in use", "rid")
+            if limit is not None:
+                _check_queue_room(len(reqs), self._queued_locked(), limit)
             stream = RequestStream(request.rid, len(reqs), loop)
             self._streams[request.rid] = stream
-        self._inbox.put(("add", reqs))
+            self._open_sequences += len(reqs)
+        self._inbox.put(AddRequest(reqs, request.stream))
         return stream
 
     def num_queued(self) -> int:
-        """Requests submitted and not yet running (in the inbox or the waiting queue)."""
+        """Sequences submitted and not yet running (in the inbox, the grammar queue or the
+        scheduler's waiting queue): what `max_queued_requests` limits."""
         with self._lock:
-            in_flight = len(self._streams)
-        return max(in_flight - self.core.num_running(), 0)
+            return self._queued_locked()
+
+    def _queued_locked(self) -> int:
+        # Running sequences whose final chunk went out are released at the next step boundary;
+        # until then they count as running, hence the clamp.
+        return max(self._open_sequences - self.core.num_running(), 0)
 
     def abort(self, rid: str) -> bool:
         """Abort a queued or running request; its KV is released at the next step boundary."""
         with self._lock:
             known = rid in self._streams
         if known:
-            self._inbox.put(("abort", rid))
+            self._inbox.put(AbortRequest(rid))
         return known
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while requests are in flight."""
+        """Drop every cached prefix; refused (False) while requests are in flight. Blocks until the
+        engine thread answers (between steps): call it off any event loop."""
         fut: Future = Future()
-        self._inbox.put(("flush", fut))
+        self._inbox.put(FlushCache(fut))
         return fut.result(timeout=60)
 
-    def cache_summary(self, max_tokens: int = 1 << 20) -> list[list[int]]:
-        """The cached prefixes (token lists, most recently used first) for the router's tree."""
+    def cache_summary(self, max_tokens: int = 1 << 20) -> list[tuple[str | None, list[int]]]:
+        """The cached prefixes as (namespace, token list) pairs, most recently used first, for
+        the router's tree. Blocks like `flush_cache`."""
         fut: Future = Future()
-        self._inbox.put(("summary", (fut, max_tokens)))
+        self._inbox.put(CacheSummary(max_tokens, fut))
         return fut.result(timeout=60)
 
     @property
@@ -138,7 +160,7 @@ class Engine:
         if self._stopped:
             return
         self._stopped = True
-        self._inbox.put(("stop", None))
+        self._inbox.put(Stop())
         self._thread.join(timeout=30)
 
     def __del__(self) -> None:  # best effort: a forgotten engine must not keep its thread busy
@@ -171,7 +193,7 @@ class Engine:
     async def _collect(self, request: GenerateRequest) -> list[dict[str, Any]]:
         outs: dict[int, dict[str, Any]] = {}
         async for chunk in self.submit(request):
-            _merge(outs.setdefault(chunk.index, _empty_result(request.rid)), chunk)
+            _merge(outs.setdefault(chunk.index, _empty_result(request.rid)), chunk, self.tokenizer)
         return [outs[i] for i in sorted(outs)]
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
@@ -191,7 +213,7 @@ class Engine:
         request.stream = True
         async for chunk in self.submit(request):
             out = outs.setdefault(chunk.index, _empty_result(request.rid))
-            _merge(out, chunk)
+            _merge(out, chunk, self.tokenizer)
             yield dict(out, index=chunk.index, meta_info=dict(out["meta_info"]))
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None):
@@ -210,30 +232,23 @@ class Engine:
                 if not self._drain_inbox(self.core.idle_timeout()):
                     break
                 self.core.step(self._deliver)
-            except Exception as exc:  # a bug must not hang every client: fail them all loudly
+            except Exception as exc:  # a bug outside any request's own work: fail them all loudly
                 logger.exception("engine step failed")
                 self._deliver(self.core.fail_all(f"internal engine error: {exc!r}"))
         self._deliver(self.core.fail_all("engine shut down"))
         self.core.close()
 
     def _drain_inbox(self, timeout: float | None) -> bool:
-        """Run pending commands; wait up to `timeout` for the first one (None: do not wait)."""
+        """Run pending commands; wait up to `timeout` for the first one (None: do not wait).
+        False once a Stop command came."""
         while True:
             try:
-                cmd, arg = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+                cmd = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
             except queue.Empty:
                 return True
             timeout = None
-            if cmd == "stop":
+            if not self.core.handle(cmd):
                 return False
-            if cmd == "add":
-                self.core.add(arg)
-            elif cmd == "abort":
-                self.core.abort(arg)
-            elif cmd == "flush":
-                arg.set_result(self.core.flush_cache())
-            elif cmd == "summary":
-                arg[0].set_result(self.core.cache.cached_prefixes(arg[1]))
 
     def _deliver(self, items: list) -> None:
         """items: (rid, OutputChunk | Exception). Groups per event loop, one wake-up each."""
@@ -247,9 +262,11 @@ class Engine:
                     continue
                 per_loop[stream.loop].append((stream, item))
                 if isinstance(item, BaseException):
+                    self._open_sequences -= stream.n - stream.finals_sent
                     del self._streams[rid]
                 elif item.finished:
                     stream.finals_sent += 1
+                    self._open_sequences -= 1
                     if stream.finals_sent >= stream.n:
                         del self._streams[rid]
         for loop, batch in per_loop.items():
@@ -259,40 +276,29 @@ class Engine:
                 pass  # the consumer's loop is closed: nobody is listening any more
 
 
+def _check_queue_room(n: int, queued: int, limit: int) -> None:
+    """`max_queued_requests` counts sequences: a request with n = 8 takes 8 places."""
+    if n > limit:
+        raise InvalidRequest(
+            f"n={n} sequences can never be queued on this replica: its queue holds {limit} sequences",
+            "n",
+        )
+    if queued + n > limit:
+        raise QueueFull(
+            f"the request queue is full ({queued} of {limit} sequences waiting, {n} asked); retry later"
+        )
+
+
 def _put_all(batch: list) -> None:
     for stream, item in batch:
         stream.queue.put_nowait(item)
 
 
 def _empty_result(rid: str) -> dict[str, Any]:
-    return {
-        "text": "",
-        "output_ids": [],
-        "meta_info": {
-            "id": rid,
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "cached_tokens": 0,
-            "finish_reason": None,
-            "e2e_latency": None,
-        },
-    }
+    return native_result(rid)
 
 
-def _merge(out: dict[str, Any], chunk: OutputChunk) -> None:
-    out["text"] += chunk.text
-    out["output_ids"].extend(chunk.token_ids)
-    meta = out["meta_info"]
-    if chunk.logprobs is not None:
-        meta.setdefault("output_token_logprobs", []).extend(
-            (lp.logprob, lp.token_id) for lp in chunk.logprobs
-        )
-        meta.setdefault("output_top_logprobs", []).extend(lp.top for lp in chunk.logprobs)
-    if chunk.finished:
-        meta.update(
-            prompt_tokens=chunk.prompt_tokens,
-            completion_tokens=chunk.completion_tokens,
-            cached_tokens=chunk.cached_tokens,
-            finish_reason=chunk.finish_reason,
-            e2e_latency=chunk.e2e_latency,
-        )
+def _merge(out: dict[str, Any], chunk: OutputChunk, tokenizer: Any) -> None:
+    """Logprob triples carry the token's text: the engine has the tokenizer (SGLang fills it only
+    with return_text_in_logprobs; here it is always there, as over HTTP)."""
+    add_to_native_result(out, chunk, lambda t: tokenizer.decode([t], skip_special_tokens=False))

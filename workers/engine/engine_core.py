@@ -1,5 +1,6 @@
-"""The engine's state and one step of work; everything here runs on the engine thread except the
-read-only helpers marked thread-safe (and, in overlap mode, the forward on the ForwardWorker's).
+"""The engine's state and one step of work; everything here runs on the engine thread except
+`make_reqs` and the read-only helpers marked thread-safe (and, in overlap mode, the forward on
+the ForwardWorker's thread).
 
 A step has three parts: the forward and sampling (ForwardWorker), the token-level updates the next
 schedule depends on (`_apply_tokens`), and the text-level work nothing in scheduling depends on
@@ -7,6 +8,11 @@ but stop strings (`_apply_text`: detokenization, stop strings, chunks). The over
 text of step N while the forward of step N+1 runs. A stop string found then finishes a sequence
 that is already in step N+1: that step's token for it is dropped, and its KV is released at the
 next step boundary, never while a forward that writes it is in flight.
+
+Failures stay with the request that causes them where that can be known: its own part of a step
+(sampling preparation, sampling, grammar matching, output processing, detokenization) failing
+fails that request only; a failing forward fails the requests of its batch. Either way each of
+them gets an EngineError on its stream, and the others keep running.
 """
 
 from __future__ import annotations
@@ -15,28 +21,38 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from radixserve.workers.constrained.grammar_backend import GrammarBackend
+from radixserve.workers.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    CacheSummary,
+    Command,
+    FlushCache,
+    Stop,
+)
 from radixserve.workers.engine.config import EngineConfig
-from radixserve.workers.engine.detokenizer import IncrementalDetokenizer
+from radixserve.workers.engine.grammar_queue import GrammarQueue
+from radixserve.workers.engine.inflight import InflightRequests
 from radixserve.workers.engine.output_processor import OutputProcessor
 from radixserve.workers.engine.request import Req, ReqStatus
+from radixserve.workers.engine.request_builder import RequestBuilder
 from radixserve.workers.engine.scheduler import Scheduler
 from radixserve.workers.engine.step_stats import StepStats
 from radixserve.workers.executor.cpu_runtime import tune_malloc
 from radixserve.workers.executor.forward_worker import ForwardJob, ForwardWorker
 from radixserve.workers.executor.model_runner import ModelRunner
-from radixserve.workers.executor.plan import BatchKind
+from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.mem_cache.memory import max_tokens_for_memory
 from radixserve.workers.mem_cache.prefix_cache import NullCache
 from radixserve.workers.mem_cache.radix_cache import RadixCache
 from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.workers.models.loader import load_model
-from radixserve.workers.protocol import GenerateRequest, InvalidRequest
+from radixserve.workers.protocol import EngineError, GenerateRequest
 from radixserve.workers.sampling.sampler import Sampler
 
 logger = logging.getLogger("radixserve.engine")
@@ -63,11 +79,7 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.model_path
         self.served_model_name = config.served_model_name or loaded.name
-        self.context_length = (
-            min(config.context_length or mc.context_length, mc.context_length)
-            if config.context_length
-            else mc.context_length
-        )
+        self.context_length = config.context_cap(mc.context_length)
         self.pool = KVPool(
             mc.num_layers,
             mc.num_kv_heads,
@@ -95,36 +107,21 @@ class EngineCore:
             config.stream_interval,
             config.enable_jump_forward,
         )
-        self.overlap = config.overlap_for(next(loaded.model.parameters()).device.type)
+        self.overlap = config.overlap
         self.worker = ForwardWorker(self.runner, self.sampler, threaded=self.overlap)
-        self._prev: ForwardJob | None = None  # overlap: the step whose text is still to do
-        self._grammars: GrammarBackend | None = None
-        self._bitmask: torch.Tensor | None = None
-        self.grammar_wait: list[tuple[Any, list[Req]]] = []  # (compile future, sequences)
-        self.streaming: set[str] = set()
-        self.by_rid: dict[str, list[Req]] = {}
-        self.unsent: set[str] = set()  # keys of sequences whose final chunk has not gone out
-        self.timing = StepStats()
-        self.counters = dict(
-            prompt_tokens_total=0,
-            cached_tokens_total=0,
-            computed_tokens_total=0,
-            num_requests_total=0,
-            num_aborted_total=0,
+        self.requests = RequestBuilder(self.tokenizer, self.sampler, self.context_length, self.pool.size)
+        self.grammars = GrammarQueue(
+            self.tokenizer,
+            mc.vocab_size,
+            mc.eos_token_ids,
+            config.grammar_compile_timeout_s,
+            config.max_running_requests + 1,
         )
-
-    @property
-    def grammars(self) -> GrammarBackend:
-        """Built on first use: making xgrammar's view of the vocabulary takes a moment."""
-        if self._grammars is None:
-            self._grammars = GrammarBackend(
-                self.tokenizer,
-                self.model_config.vocab_size,
-                self.model_config.eos_token_ids,
-                compile_timeout_s=self.config.grammar_compile_timeout_s,
-            )
-            self._bitmask = self._grammars.allocate_bitmask(self.config.max_running_requests + 1)
-        return self._grammars
+        self._prev: ForwardJob | None = None  # overlap: the step whose text is still to do
+        self._outbox: list[tuple[str, Any]] = []  # produced between steps, delivered by the next
+        self.inflight = InflightRequests(self.outputs)
+        self.timing = StepStats()
+        self.counters = dict(computed_tokens_total=0)
 
     def _pool_tokens(self, loaded: Any) -> int:
         mc = loaded.config
@@ -137,45 +134,18 @@ class EngineCore:
 
     # Thread-safe helpers ---------------------------------------------------------------------
     def make_reqs(self, request: GenerateRequest) -> list[Req]:
-        """Validate a request and build its n sequences (does not touch engine state)."""
-        ids, p = request.input_ids, request.sampling_params
-        p.validate(self.vocab_size)
-        if not ids:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-            raise InvalidRequest(f"input_ids must be integers in [0, {self.vocab_size})", "input_ids")
-        if len(ids) + p.max_new_tokens > self.context_length:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.context_length} tokens. However, you "
-                f"requested {len(ids) + p.max_new_tokens} tokens ({len(ids)} in the prompt, "
-                f"{p.max_new_tokens} for the completion). Please reduce the prompt or max tokens.",
-                "max_tokens",
-                code="context_length_exceeded",
-            )
-        if len(ids) >= self.pool.size:
-            raise InvalidRequest(
-                f"the prompt ({len(ids)} tokens) does not fit in the KV cache ({self.pool.size} tokens)",
-                "prompt",
-                code="context_length_exceeded",
-            )
-        if p.grammar is not None:
-            self.grammars.validate(*p.grammar)  # malformed grammars: 400 before queueing
-        reqs = []
-        for i in range(p.n):
-            req = Req(request.rid, i, list(ids), p, request.namespace)
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop)
-            if p.seed is not None:
-                req.generator = self.sampler.make_generator(p.seed + i)
-            reqs.append(req)
-        if request.stream:
-            self.streaming.add(request.rid)
-        return reqs
+        """Validate a request and build its n sequences; raises InvalidRequest. Pure: it touches
+        no engine state (the engine thread registers the request when it adds it)."""
+        return self.requests.build(request)
 
     def num_running(self) -> int:
-        return len({r.rid for r in self.scheduler.running})
+        """Sequences in the running batch."""
+        return len(self.scheduler.running)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.grammar_wait) or self._prev is not None
+        return (
+            self.scheduler.has_work() or bool(self.grammars) or self._prev is not None or bool(self._outbox)
+        )
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
@@ -188,53 +158,46 @@ class EngineCore:
             kv_protected=self.cache.protected_size(),
             num_retractions=sched.num_retractions,
             **self.counters,
+            **self.inflight.counters,
             **self.outputs.counters,
             **self.timing.summary(),
         )
 
-    # Engine thread ---------------------------------------------------------------------------
-    def add(self, reqs: list[Req]) -> None:
-        self.by_rid[reqs[0].rid] = reqs
-        self.unsent.update(r.key for r in reqs)
-        grammar = reqs[0].params.grammar
-        if grammar is not None:
-            # Compiles run off this thread; the request waits in the grammar queue meanwhile.
-            self.grammar_wait.append((self.grammars.submit(*grammar), reqs))
+    # Commands (engine thread, between steps) -------------------------------------------------
+    def handle(self, cmd: Command) -> bool:
+        """Run one command from the inbox; False when it says to stop."""
+        match cmd:
+            case AddRequest():
+                self.add(cmd.reqs, cmd.stream)
+            case AbortRequest():
+                self.abort(cmd.rid)
+            case FlushCache():
+                _answer(cmd.done, self.flush_cache)
+            case CacheSummary():
+                _answer(cmd.done, lambda: self.cache.cached_paths(cmd.max_tokens))
+            case Stop():
+                return False
+            case _:
+                raise TypeError(f"not an engine command: {cmd!r}")
+        return True
+
+    def add(self, reqs: list[Req], stream: bool) -> None:
+        rid = reqs[0].rid
+        self.inflight.add(reqs, stream)
+        if reqs[0].params.grammar is None:
+            for r in reqs:
+                self.scheduler.add(r)
             return
-        for r in reqs:
-            self.scheduler.add(r)
-
-    def idle_timeout(self) -> float | None:
-        """How long the loop may block for new commands: not at all while there is work."""
-        if self.scheduler.has_work() or self._prev is not None:
-            return None
-        return GRAMMAR_POLL_S if self.grammar_wait else IDLE_POLL_S
-
-    def _poll_grammars(self, out: list) -> None:
-        still = []
-        for fut, reqs in self.grammar_wait:
-            if all(r.aborted for r in reqs):
-                for r in reqs:
-                    r.status = ReqStatus.FINISHED
-                    self._emit_final(r, out)
-            elif not fut.done():
-                still.append((fut, reqs))
-            elif fut.exception() is not None:
-                for r in reqs:
-                    r.status = ReqStatus.FINISHED
-                    self.unsent.discard(r.key)
-                self.by_rid.pop(reqs[0].rid, None)
-                self.streaming.discard(reqs[0].rid)
-                out.append((reqs[0].rid, fut.exception()))
-            else:
-                first = self.grammars.new_matcher(fut.result())
-                for i, r in enumerate(reqs):
-                    r.grammar = first if i == 0 else first.copy()
-                    self.scheduler.add(r)
-        self.grammar_wait = still
+        try:
+            # The grammar is parsed and compiled off this thread; the request waits meanwhile.
+            self.grammars.add(reqs)
+        except Exception as exc:
+            self.inflight.fail(
+                rid, EngineError(f"starting the grammar compile failed: {exc!r}"), self._outbox
+            )
 
     def abort(self, rid: str) -> None:
-        for r in self.by_rid.get(rid, ()):
+        for r in self.inflight.get(rid):
             if r.finish_reason is None:  # one that finished already keeps its reason
                 r.aborted = True
                 r.finish("abort", message="aborted by the client")
@@ -244,23 +207,31 @@ class EngineCore:
         went out are released first (that normally waits for the next step boundary, and in overlap
         mode for the forward that still included them), so a client that got its answer can flush."""
         self._release_finished()
-        if self.by_rid or self.scheduler.has_work():  # by_rid: a request still owes a chunk
+        if self.inflight or self.scheduler.has_work():  # inflight: a request still owes a chunk
             return False
         return bool(self.cache.reset())
 
+    def idle_timeout(self) -> float | None:
+        """How long the loop may block for new commands: not at all while there is work."""
+        if self.scheduler.has_work() or self._prev is not None or self._outbox:
+            return None
+        return GRAMMAR_POLL_S if self.grammars else IDLE_POLL_S
+
+    # One step --------------------------------------------------------------------------------
     def step(self, deliver: Callable[[list], None]) -> None:
-        """Run one batch; hand (rid, OutputChunk | Exception) items to `deliver` once.
+        """Run one batch; hand (rid, OutputChunk | Exception) items to `deliver`.
 
         In overlap mode the previous batch's text is produced and delivered while this batch's
         forward runs, and this batch's text waits for the next call."""
-        out: list[tuple[str, Any]] = []
+        out, self._outbox = self._outbox, []
         t0 = time.perf_counter()
         job = self._begin(out)
         t1 = time.perf_counter()
         if not self.overlap:
             if job is not None:
-                self.worker.run(job)
-                self._apply_tokens(job)
+                job = self._finish_forward(job, self.worker.run, out)
+            if job is not None:
+                self._apply_tokens(job, out)
             t2 = time.perf_counter()
             self._apply_text(job, out)
             deliver(out)
@@ -275,15 +246,30 @@ class EngineCore:
             deliver(out)
         finally:
             t2 = time.perf_counter()
-            self.worker.wait()
+            # What this finds goes to the outbox: delivered below, or by fail_all if the text raised.
+            job = self._finish_forward(job, lambda _: self.worker.wait(), self._outbox)
+        if job is not None:
+            t3 = time.perf_counter()
+            self._apply_tokens(job, self._outbox)
+            self._prev = job
+        late, self._outbox = self._outbox, []
+        deliver(late)
         if job is None:
             self._record(None, host=t1 - t0, text=t2 - t1, hidden=0.0)
             return
-        t3 = time.perf_counter()
-        self._apply_tokens(job)
-        self._prev = job
         hidden = max(0.0, min(t2, job.ended_at) - job.launched_at)
         self._record(job, host=(t1 - t0) + (time.perf_counter() - t3), text=t2 - t1, hidden=hidden)
+
+    def _finish_forward(self, job: ForwardJob | None, run: Callable, out: list) -> ForwardJob | None:
+        """Run (or wait for) the job's forward; None if there was none or it failed."""
+        if job is None:
+            return None
+        try:
+            run(job)
+        except Exception as exc:
+            self._fail_batch(job.plan, "the model step", exc, out)
+            return None
+        return job
 
     def _record(self, job: ForwardJob | None, host: float, text: float, hidden: float) -> None:
         if job is None:
@@ -303,18 +289,26 @@ class EngineCore:
 
     def _begin(self, out: list) -> ForwardJob | None:
         """Step-boundary housekeeping (nothing is in flight), then the next plan and its tensors."""
-        if self.grammar_wait:
-            self._poll_grammars(out)
+        if self.grammars:
+            for req in self.grammars.poll(self.inflight, out):
+                self.scheduler.add(req)
         for req in self.scheduler.take_aborted():
-            req.finish("abort", message="aborted")
-            self._emit_final(req, out)
+            if req.error is not None:
+                self.inflight.fail(req.rid, EngineError(req.error), out)
+            else:
+                req.finish("abort", message="aborted")
+                self.inflight.emit_final(req, out)
         self._release_finished()
         plan = self.scheduler.schedule()
         if plan is None:
             return None
         if plan.kind is BatchKind.PREFILL:
             self.counters["computed_tokens_total"] += plan.num_tokens
-        return self.worker.prepare(plan, self._bitmask)
+        try:
+            return self.worker.prepare(plan, self.grammars.bitmask)
+        except Exception as exc:
+            self._fail_batch(plan, "preparing the model step", exc, out)
+            return None
 
     def _release_finished(self) -> None:
         """Free the KV of sequences that finished since the last boundary (their final chunk may
@@ -326,67 +320,76 @@ class EngineCore:
                 req.status = ReqStatus.FINISHED
             self.scheduler.waiting = deque(r for r in self.scheduler.waiting if r.finish_reason is None)
 
-    def _apply_tokens(self, job: ForwardJob) -> None:
+    def _apply_tokens(self, job: ForwardJob, out: list) -> None:
         """Token-level results of a step: what the next schedule depends on."""
         plan = job.plan
+        for req, stage, exc in job.failed:
+            self.inflight.fail(req.rid, EngineError(f"{stage} of a sequence failed: {exc!r}"), out)
         self.scheduler.after_step(plan)
         for req, m in zip(plan.reqs, plan.sample_mask):
             if m and req.params.max_new_tokens == 0:
                 req.finish("length")
-        self.outputs.append_sampled(job.reqs, job.tokens, job.logprobs)
+        for k, req in enumerate(job.reqs):
+            if req.error is not None:
+                continue  # failed: its token (a placeholder's) is dropped
+            try:
+                self.worker.check_fault("tokens", req)
+                self.outputs.append_sampled(req, job.tokens[k], job.logprobs[k] if job.logprobs else None)
+            except Exception as exc:
+                self.inflight.fail(req.rid, EngineError(f"appending a sampled token failed: {exc!r}"), out)
 
     def _apply_text(self, job: ForwardJob | None, out: list) -> None:
         """Text-level results of a step: detokenize, match stop strings, build chunks."""
         if job is None:
             return
         for req, m in zip(job.plan.reqs, job.plan.sample_mask):
-            if not m or req.key not in self.unsent:
-                continue  # mid-prefill, or aborted meanwhile (its final chunk went out)
-            self.outputs.detokenize(req)
-            if req.finish_reason is not None:
-                self._emit_final(req, out)
-            elif req.rid in self.streaming:
-                chunk = self.outputs.take_chunk(req)
-                if chunk is not None:
-                    out.append((req.rid, chunk))
+            if not m or not self.inflight.owes(req):
+                continue  # mid-prefill, or ended meanwhile (its final chunk or error went out)
+            try:
+                self.worker.check_fault("text", req)
+                self.outputs.detokenize(req)
+                if req.finish_reason is not None:
+                    self.inflight.emit_final(req, out)
+                elif req.rid in self.inflight.streaming:
+                    chunk = self.outputs.take_chunk(req)
+                    if chunk is not None:
+                        out.append((req.rid, chunk))
+            except Exception as exc:
+                self.inflight.fail(req.rid, EngineError(f"producing the output text failed: {exc!r}"), out)
 
-    def _emit_final(self, req: Req, out: list) -> None:
-        """Emit a finished sequence's final chunk (once); its KV is released separately."""
-        if req.key not in self.unsent:
-            return
-        self.unsent.discard(req.key)
-        out.append((req.rid, self.outputs.take_chunk(req)))
-        self.counters["prompt_tokens_total"] += len(req.origin_input_ids)
-        self.counters["cached_tokens_total"] += req.cached_tokens or 0
-        self.counters["num_requests_total"] += req.index == 0
-        if req.finish_reason and req.finish_reason["type"] == "abort":
-            self.counters["num_aborted_total"] += req.index == 0
-        if not any(r.key in self.unsent for r in self.by_rid.get(req.rid, ())):
-            self.by_rid.pop(req.rid, None)
-            self.streaming.discard(req.rid)
+    # Failures --------------------------------------------------------------------------------
+    def _fail_batch(self, plan: ScheduledBatch, what: str, exc: BaseException, out: list) -> None:
+        """A step failed as a whole: every request with a sequence in it fails."""
+        logger.error("%s failed for a batch of %d sequences", what, len(plan.reqs), exc_info=exc)
+        for rid in dict.fromkeys(r.rid for r in plan.reqs):
+            self.inflight.fail(rid, EngineError(f"{what} failed: {exc!r}"), out)
 
     def fail_all(self, message: str) -> list[tuple[str, Any]]:
-        """Finish every request with an abort (after an internal error or at shutdown). Call with
-        no forward in flight."""
-        out: list[tuple[str, Any]] = []
+        """End every request with an EngineError (after an unexpected error outside any request's
+        own work, or at shutdown) and release all KV. Call with no forward in flight."""
+        out, self._outbox = self._outbox, []
         prev, self._prev = self._prev, None
         try:
             self._apply_text(prev, out)  # sequences that did finish keep their real final chunk
         except Exception:
             logger.exception("producing the last outputs failed")
+        for rid in list(self.inflight.by_rid):
+            self.inflight.fail(rid, EngineError(message), out)
         for req in list(self.scheduler.running):
-            req.finish("abort", message=message)
             self.scheduler.finish(req)
-        for reqs in list(self.by_rid.values()):
-            for req in reqs:
-                if req.key in self.unsent:
-                    req.finish("abort", message=message)
-                    if req.status is not ReqStatus.FINISHED:
-                        self.scheduler.release(req)
-                    self._emit_final(req, out)
+        for req in self.scheduler.waiting:
+            req.status = ReqStatus.FINISHED
         self.scheduler.waiting.clear()
-        self.grammar_wait.clear()
+        self.grammars.clear()
         return out
 
     def close(self) -> None:
         self.worker.close()
+        self.grammars.close()
+
+
+def _answer(fut: Future, fn: Callable[[], Any]) -> None:
+    try:
+        fut.set_result(fn())
+    except Exception as exc:  # the caller re-raises it; the engine carries on
+        fut.set_exception(exc)

@@ -10,6 +10,7 @@ chunks).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from radixserve.workers.constrained.grammar import jump_forward_tokens
@@ -33,7 +34,7 @@ class OutputProcessor:
     def __init__(
         self,
         tokenizer: Any,
-        eos_token_ids: list[int],
+        eos_token_ids: Sequence[int],
         context_length: int,
         stream_interval: int = 1,
         jump_forward: bool = True,
@@ -46,25 +47,22 @@ class OutputProcessor:
         self.pending: dict[str, PendingOutput] = {}
         self.counters = dict(generation_tokens_total=0, jump_forward_tokens_total=0, dropped_tokens_total=0)
 
-    def append_sampled(
-        self, reqs: list[Req], tokens: list[int], logprobs: list[TokenLogprob | None] | None
-    ) -> None:
-        """A step's sampled tokens, one per sequence, then the tokens grammars force after them."""
-        for k, req in enumerate(reqs):
-            if req.finish_reason is not None:
-                # Overlap mode: a stop string ended it while this step ran. The token is dropped
-                # (never appended, counted or streamed), as if the step had not included it.
-                self.counters["dropped_tokens_total"] += 1
-                continue
-            self.append_token(req, tokens[k], logprobs[k] if logprobs else None)
-            self.counters["generation_tokens_total"] += 1
-            # Jump-forward appends several tokens at once; a stop string among them must cut the
-            # output where it ends, so these sequences are detokenized token by token here.
-            eager = req.grammar is not None and bool(req.params.stop)
-            if eager:
-                self.detokenize(req)
-            if req.grammar is not None and req.finish_reason is None and self.jump_forward:
-                self._jump_forward(req, eager)
+    def append_sampled(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
+        """One sequence's sampled token of a step, then the tokens its grammar forces after it."""
+        if req.finish_reason is not None:
+            # Overlap mode: a stop string ended it while this step ran. The token is dropped
+            # (never appended, counted or streamed), as if the step had not included it.
+            self.counters["dropped_tokens_total"] += 1
+            return
+        self.append_token(req, token, logprob)
+        self.counters["generation_tokens_total"] += 1
+        # Jump-forward appends several tokens at once; a stop string among them must cut the
+        # output where it ends, so these sequences are detokenized token by token here.
+        eager = req.grammar is not None and bool(req.params.stop)
+        if eager:
+            self.detokenize(req)
+        if req.grammar is not None and req.finish_reason is None and self.jump_forward:
+            self._jump_forward(req, eager)
 
     def _jump_forward(self, req: Req, eager: bool) -> None:
         """Append the tokens the grammar forces; the next step computes them all in one extend
@@ -83,6 +81,8 @@ class OutputProcessor:
     ) -> None:
         """Record one sampled token and finish the sequence if a token-level stop condition holds.
         The token's text is produced later, by `detokenize`."""
+        if req.grammar is not None and not accepted and not req.grammar.accept_token(token):
+            raise RuntimeError(f"sampled token {token} violates the request's grammar")
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         req.output_ids.append(token)
@@ -93,8 +93,6 @@ class OutputProcessor:
             if out.logprobs is None:
                 out.logprobs = []
             out.logprobs.append(logprob)
-        if req.grammar is not None and not accepted and not req.grammar.accept_token(token):
-            req.finish("abort", message=f"internal error: token {token} violates the grammar")
         self._check_token_finish(req, token)
 
     def _check_token_finish(self, req: Req, token: int) -> None:
@@ -128,7 +126,7 @@ class OutputProcessor:
                 return True
         return False
 
-    def take_chunk(self, req: Req, force: bool = False) -> OutputChunk | None:
+    def take_chunk(self, req: Req) -> OutputChunk | None:
         """The chunk to send now, if any: streaming sends every `stream_interval` tokens, the final
         chunk always goes, and a non-streaming request gets one chunk at the end. Detokenizes what
         is still undecoded first."""
@@ -138,7 +136,7 @@ class OutputProcessor:
         if final:
             out = self.pending.pop(req.key, None) or PendingOutput()
             out.text += req.detokenizer.flush() if req.detokenizer is not None else ""
-        elif out is None or not force and len(out.token_ids) < self.stream_interval:
+        elif out is None or len(out.token_ids) < self.stream_interval:
             return None
         else:
             del self.pending[req.key]
@@ -159,4 +157,5 @@ class OutputProcessor:
         return chunk
 
     def drop(self, req: Req) -> None:
+        """Forget what a failed sequence produced and did not send: it is never sent."""
         self.pending.pop(req.key, None)

@@ -51,13 +51,15 @@ class Req:
         self.cached_tokens: int | None = None  # prompt tokens reused at first admission
         self.num_retractions = 0
         self.arrival = arrival if arrival is not None else time.monotonic()
-        self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         # Per-sequence helpers attached by the engine (generator, detokenizer, grammar).
         self.generator: Any = None
         self.detokenizer: Any = None
         self.grammar: Any = None
         self.aborted = False
+        # Why the engine failed this sequence (the client gets an EngineError). Its KV past the
+        # cached prefix is then freed, never published: the step that failed may not have written it.
+        self.error: str | None = None
 
     # Derived lengths -----------------------------------------------------------------------
     @property

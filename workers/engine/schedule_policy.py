@@ -39,26 +39,34 @@ class SchedulePolicy:
 
     def _dfs_weight(self, waiting: list[Req], matches: dict[str, Any]) -> list[Req]:
         """SGLang's dfs-weight: walk the tree depth first, visiting the subtree with the most waiting
-        requests first, so requests sharing a prefix run back to back while it is hot."""
+        requests first, so requests sharing a prefix run back to back while it is hot.
+
+        A match without a tree node (the null cache keeps no tree) shares nothing with anyone:
+        those requests come after the tree's, in arrival order."""
         at_node: dict[int, list[Req]] = defaultdict(list)
         weight: dict[int, int] = defaultdict(int)
-        nodes: dict[int, Any] = {}
+        roots: dict[int, Any] = {}
+        rootless: list[Req] = []
         for r in waiting:
             node = matches[r.key].node
+            if node is None:
+                rootless.append(r)
+                continue
             at_node[id(node)].append(r)
-            while node is not None:
+            while True:
                 weight[id(node)] += 1
-                nodes[id(node)] = node
+                if node.parent is None:
+                    roots[id(node)] = node
+                    break
                 node = node.parent
-        roots = [n for n in nodes.values() if n.parent is None]
         out: list[Req] = []
-        stack = sorted(roots, key=lambda n: weight[id(n)])
+        stack = sorted(roots.values(), key=lambda n: weight[id(n)])
         while stack:
             node = stack.pop()
             out.extend(at_node.get(id(node), ()))
             kids = [c for c in node.children.values() if id(c) in weight]
             stack.extend(sorted(kids, key=lambda n: weight[id(n)]))
-        return out
+        return out + rootless
 
 
 class InBatchDedup:

@@ -160,11 +160,10 @@ class Scheduler:
             elif plan.reqs:
                 self._retract(req)  # older requests hold the memory; this one resumes later
             else:
+                # Every other sequence is retracted and the KV check at submission guarantees
+                # that one sequence alone fits: reaching this is a bug, and the client is told.
                 req.aborted = True
-                req.finish(
-                    "abort",
-                    message="out of KV cache memory: the sequence does not fit in the KV pool even alone",
-                )
+                req.error = "out of KV cache memory: the sequence does not fit in the KV pool even alone"
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         return plan if plan.reqs else None
 
@@ -236,17 +235,13 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
 
     def release(self, req: Req, keep_waiting: bool = False) -> None:
+        """Hand the sequence's KV to the cache (a failed one's only up to its cached prefix, the
+        rest is freed) and its table row back."""
         if req.row is not None:
-            key = req.fill_ids[: req.num_computed]
-            self.cache.cache_finished(key, req.kv_slots, req.last_node, req.namespace)
+            n = req.cache_len if req.error is not None else req.num_computed
+            self.cache.cache_finished(req.fill_ids[:n], req.kv_slots[:n], req.last_node, req.namespace)
+            self.pool.free(req.kv_slots[n:])
             self.req_pool.free(req.row)
         req.kv_slots, req.cache_len, req.last_node = [], 0, None
         req.row, req.table_len = None, 0
         req.status = ReqStatus.WAITING if keep_waiting else ReqStatus.FINISHED
-
-    def abort_waiting_all(self, message: str) -> list[Req]:
-        out = list(self.waiting)
-        self.waiting.clear()
-        for r in out:
-            r.finish("abort", message=message)
-        return out

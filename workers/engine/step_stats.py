@@ -45,12 +45,15 @@ class StepStats:
         self.totals["text_s"] += text
 
     def summary(self) -> dict[str, Any]:
+        """Read from other threads while the engine records: `recent` is copied in one step (a
+        deque iterated while another thread appends to it raises)."""
+        recent = list(self.recent)
         t = self.totals
         out: dict[str, Any] = {f"step_{k}": round(v, 6) if isinstance(v, float) else v for k, v in t.items()}
         host = t["schedule_s"] + t["text_s"]
         out["step_host_hidden_fraction"] = round(t["hidden_s"] / host, 4) if host else 0.0
         for kind in ("prefill", "decode"):
-            rows = [r for r in self.recent if r[0] == kind]
+            rows = [r for r in recent if r[0] == kind]
             if not rows:
                 continue
             n = len(rows)

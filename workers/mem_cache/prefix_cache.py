@@ -44,6 +44,10 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None: ...
     @abstractmethod
     def reset(self) -> bool: ...
+    @abstractmethod
+    def cached_paths(self, max_tokens: int) -> list[tuple[Hashable | None, list[int]]]:
+        """(namespace, token path) of the cached leaves, most recently used first, until the
+        paths' lengths add up to max_tokens: what a router needs to correct its view."""
 
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
@@ -93,7 +97,7 @@ class NullCache(PrefixCache):
     def check_integrity(self) -> None:
         pass
 
-    def cached_prefixes(self, max_tokens: int) -> list[list[int]]:
+    def cached_paths(self, max_tokens: int) -> list[tuple[Hashable | None, list[int]]]:
         return []
 
     def reset(self) -> bool:

@@ -134,6 +134,7 @@ class RadixCache(PrefixCache):
         )
         top.lock_ref = child.lock_ref
         top.children[self._child_key(child.key, n)] = child
+        assert child.parent is not None  # only edges below a node are split
         child.parent.children[self._child_key(child.key, 0)] = top
         child.key, child.value, child.parent = child.key[n:], child.value[n:], top
         self._num_nodes += 1
@@ -268,6 +269,7 @@ class RadixCache(PrefixCache):
 
     def _detach(self, node: _Node) -> None:
         parent = node.parent
+        assert parent is not None  # only attached leaves are evicted
         del parent.children[self._child_key(node.key, 0)]
         node.parent = None
         self._num_nodes -= 1
@@ -294,9 +296,9 @@ class RadixCache(PrefixCache):
             yield node
             stack.extend(node.children.values())
 
-    def cached_prefixes(self, max_tokens: int) -> list[list[int]]:
-        """Token paths (root to leaf) of the cached leaves, most recently used first, until their
-        lengths add up to max_tokens: what a router needs to correct its view of this cache."""
+    def cached_paths(self, max_tokens: int) -> list[tuple[Hashable | None, list[int]]]:
+        """Token paths (root to leaf) of the cached leaves with their namespace, most recently
+        used first, until their lengths add up to max_tokens."""
         leaves = sorted((n for n in self._nodes() if not n.children), key=lambda n: -n.stamp)
         out, total = [], 0
         for leaf in leaves:
@@ -307,7 +309,7 @@ class RadixCache(PrefixCache):
             path = [t for part in reversed(parts) for t in part]
             if total + len(path) > max_tokens:
                 break
-            out.append(path)
+            out.append((node.namespace, path))
             total += len(path)
         return out
 

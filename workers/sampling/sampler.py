@@ -1,21 +1,27 @@
 """Turns a batch of logits into next tokens.
 
-Two steps (STYLE rule 9): `Sampler.prepare(rows)` turns per-request parameters into tensors once per
-batch; `Sampler.sample(logits, batch)` then runs on the device without a host round-trip until the
-chosen ids are read back at the very end.
+Two steps: `Sampler.prepare(rows)` turns per-request parameters into tensors once per batch;
+`Sampler.sample(logits, batch)` then runs on the device; the chosen ids are read back at the end.
 
-Processing order, per row: logit_bias -> repetition penalty (prompt + output tokens, HF style) ->
-frequency / presence penalties (output tokens, OpenAI style) -> min_new_tokens blocking of EOS and
-stop_token_ids -> grammar mask. Greedy rows take the argmax of that. Sampled rows then divide by the
-temperature, keep top_k, then top_p of what is left, then min_p, and draw by inverse CDF with one
-uniform number per row; a seeded row draws it from its own generator, so its tokens do not depend
-on the other rows in the batch.
+Grammar masks are applied to the logits before they get here (constrained/grammar.py
+`apply_bitmask`). Processing order, per row: logit_bias -> repetition penalty (prompt + output
+tokens, HF style) -> frequency / presence penalties (output tokens, OpenAI style) ->
+min_new_tokens blocking of EOS and stop_token_ids. Greedy rows take the argmax of that. Sampled
+rows then divide by the temperature, keep top_k, then top_p of what is left, then min_p, and draw
+by inverse CDF with one uniform number per row; a seeded row draws it from its own generator, so
+its tokens do not depend on the other rows in the batch.
+
+Whatever the logits hold, every id returned is in [0, vocab_size) and no NaN reaches a choice: a
+NaN logit counts as -inf, +inf as the largest finite value, and a row left with no candidate at
+all (every token masked, or broken logits) falls back to the argmax of the raw logits, then to
+the first EOS token.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +30,10 @@ from radixserve.workers.protocol import SamplingParams, TokenLogprob
 from radixserve.workers.sampling.logit_filters import TOP_P_CANDIDATES, keep_top_k, keep_top_k_top_p
 
 _NEG_INF = float("-inf")
+_F32_MAX = torch.finfo(torch.float32).max
+# JSON has no -inf: a token the model gives no probability at all reports this logprob (as
+# OpenAI-compatible servers do).
+MIN_LOGPROB = -9999.0
 _Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, cols, values)
 
 
@@ -85,9 +95,10 @@ class SamplingBatch:
 class Sampler:
     """Samples one token per row. `vocab_size` is the tokenizer's: wider logits are padding and cut."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], device="cpu", seed: int | None = None):
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device="cpu", seed: int | None = None):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        self._last_resort = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.device = torch.device(device)
         self.generator = self.make_generator(seed)
 
@@ -211,31 +222,39 @@ class Sampler:
 
     # ---------------------------------------------------------------- sample (device)
 
-    def sample(
-        self, logits: torch.Tensor, batch: SamplingBatch, vocab_mask: torch.Tensor | None = None
-    ) -> SampleOutput:
-        """logits: [B, V'] with V' >= vocab_size. vocab_mask: bool [B, >=vocab_size] (True = allowed)
-        or xgrammar's packed int32 bitmask [B, ceil(V'/32)] (bit j of word i allows token 32*i+j)."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """logits: [B, V'] with V' >= vocab_size; grammar masks are already applied (apply_bitmask)."""
         raw = logits[:, : self.vocab_size]
-        if batch.plain_greedy and vocab_mask is None:
-            return SampleOutput(raw.argmax(-1).tolist())
-        x = self.process_logits(logits, batch, vocab_mask)
+        if batch.plain_greedy:
+            return SampleOutput(self._argmax(raw, raw).tolist())
+        x = self.process_logits(logits, batch)
         if batch.all_sampled:
-            tokens = self._draw(x, batch)
+            tokens = self._draw(x, raw, batch)
         else:
-            tokens = x.argmax(-1)
+            tokens = self._argmax(x, raw)
             if batch.sample_rows is not None:
-                picked = self._draw(x.index_select(0, batch.sample_rows), batch)
-                tokens = tokens.index_copy(0, batch.sample_rows, picked)
+                rows = batch.sample_rows
+                picked = self._draw(x.index_select(0, rows), raw.index_select(0, rows), batch)
+                tokens = tokens.index_copy(0, rows, picked)
+        tokens = tokens.clamp(0, self.vocab_size - 1)  # the guarantee, whatever happened above
         return SampleOutput(tokens.tolist(), self._logprobs(raw, tokens, batch))
 
-    def process_logits(
-        self, logits: torch.Tensor, batch: SamplingBatch, vocab_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Logits after bias, penalties, min_new_tokens blocking and the grammar mask, before the
-        temperature. Never modifies `logits`; returns it (cut to the vocab) when there is nothing to do."""
+    def _argmax(self, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """Each row's best token, never a NaN one. A row with nothing above -inf falls back to the
+        argmax of its raw logits, then to the first EOS token."""
+        tokens = x.argmax(-1)  # a NaN counts as the largest value here: checked below
+        if bool((x.gather(1, tokens[:, None]) > _NEG_INF).all()):
+            return tokens
+        best, idx = x.nan_to_num(nan=_NEG_INF, neginf=_NEG_INF).max(-1)
+        raw_best, raw_idx = raw.nan_to_num(nan=_NEG_INF, neginf=_NEG_INF).max(-1)
+        fallback = torch.where(raw_best > _NEG_INF, raw_idx, self._last_resort)
+        return torch.where(best > _NEG_INF, idx, fallback)
+
+    def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Logits after bias, penalties and min_new_tokens blocking, before the temperature. Never
+        modifies `logits`; returns it (cut to the vocab) when there is nothing to do."""
         x = logits[:, : self.vocab_size]
-        if not batch.needs_processing and vocab_mask is None:
+        if not batch.needs_processing:
             return x
         x = x.to(torch.float32, copy=True)
         if batch.bias is not None:
@@ -251,27 +270,16 @@ class Sampler:
             x.index_put_((r, c), -v, accumulate=True)
         if batch.blocked is not None:
             x[batch.blocked] = _NEG_INF
-        if vocab_mask is not None:
-            x.masked_fill_(~self._allowed(vocab_mask), _NEG_INF)
         return x
 
-    def _allowed(self, vocab_mask: torch.Tensor) -> torch.Tensor:
-        V = self.vocab_size
-        if vocab_mask.dtype == torch.bool:
-            return vocab_mask[:, :V]
-        if vocab_mask.dtype != torch.int32:
-            raise TypeError(f"vocab_mask must be bool or packed int32, got {vocab_mask.dtype}")
-        shifts = torch.arange(32, dtype=torch.int32, device=vocab_mask.device)
-        bits = (vocab_mask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: bit 31 still reads right
-        return bits.reshape(vocab_mask.shape[0], -1)[:, :V].bool()
-
-    def _draw(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """x: processed logits of the sampled rows -> sampled token per row (on the device)."""
-        s = x / batch.temperatures
-        if batch.top_k_rows is not None:
+    def _draw(self, x: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """x, raw: processed and raw logits of the sampled rows -> sampled token per row."""
+        assert batch.temperatures is not None  # prepared for every batch with sampled rows
+        s = (x / batch.temperatures).nan_to_num(nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
+        if batch.top_k_rows is not None and batch.top_k is not None:
             kept = keep_top_k(s.index_select(0, batch.top_k_rows), batch.top_k, batch.top_k_max)
             s.index_copy_(0, batch.top_k_rows, kept)
-        if batch.sort_rows is not None:
+        if batch.sort_rows is not None and batch.sort_top_k is not None and batch.sort_top_p is not None:
             kept = keep_top_k_top_p(
                 s.index_select(0, batch.sort_rows), batch.sort_top_k, batch.sort_top_p, batch.sort_candidates
             )
@@ -279,7 +287,11 @@ class Sampler:
         if batch.log_min_p is not None:
             # p_i < min_p * p_max  <=>  s_i - s_max < log(min_p): no softmax needed.
             s.masked_fill_(s - s.amax(-1, keepdim=True) < batch.log_min_p, _NEG_INF)
-        return self._inverse_cdf(s.softmax(-1), batch)
+        drawn = self._inverse_cdf(s.softmax(-1), batch)
+        alive = s.amax(-1) > _NEG_INF  # else the softmax is NaN: nothing to draw from
+        if bool(alive.all()):
+            return drawn
+        return torch.where(alive, drawn.clamp(max=self.vocab_size - 1), self._argmax(x, raw))
 
     def _inverse_cdf(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One uniform number per row picks the token where the cumulative probability passes it.
@@ -315,7 +327,12 @@ class Sampler:
         """From the model's own distribution (before bias, penalties, masks and temperature)."""
         if batch.logprob_rows is None:
             return None
-        lp = raw.index_select(0, batch.logprob_rows).float().log_softmax(-1)
+        rows = (
+            raw.index_select(0, batch.logprob_rows)
+            .float()
+            .nan_to_num(nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
+        )
+        lp = rows.log_softmax(-1).nan_to_num(nan=MIN_LOGPROB).clamp(min=MIN_LOGPROB)
         chosen = lp.gather(1, tokens.index_select(0, batch.logprob_rows)[:, None])[:, 0]
         k = max(batch.top_logprobs)
         top_v, top_i = lp.topk(k, -1) if k > 0 else (lp[:, :0], lp[:, :0].long())

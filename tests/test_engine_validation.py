@@ -1,0 +1,117 @@
+"""What the engine refuses before any work starts: bad configuration and bad request parameters.
+No model is loaded here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.cluster.config import parse_cli
+from radixserve.workers.engine.config import EngineConfig
+from radixserve.workers.protocol import InvalidRequest, SamplingParams, check_context_length
+
+
+# Configuration ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["auto", "cpu"])
+def test_supported_devices_are_accepted(device):
+    assert EngineConfig(device=device).device == device
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "mps", "CPU", ""])
+def test_other_devices_are_a_startup_error(device):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(device=device)
+    assert str(e.value) == f"device {device!r} is not supported; supported devices: auto, cpu"
+
+
+def test_cli_refuses_an_unsupported_device(capsys):
+    assert parse_cli(["--device", "cpu"]).engine.device == "cpu"
+    with pytest.raises(SystemExit) as e:
+        parse_cli(["--device", "cuda"])
+    assert e.value.code == 2  # argparse's usage error
+    assert "device 'cuda' is not supported; supported devices: auto, cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "configured,model,expected", [(None, 8192, 8192), (2048, 8192, 2048), (100_000, 8192, 8192)]
+)
+def test_context_cap_never_exceeds_the_model(configured, model, expected):
+    assert EngineConfig(context_length=configured).context_cap(model) == expected
+
+
+# Request limits --------------------------------------------------------------------------------
+def test_context_length_check_and_its_message():
+    check_context_length(1000, 1048, 2048)  # exactly full: fine
+    with pytest.raises(InvalidRequest) as e:
+        check_context_length(1000, 1049, 2048, "max_completion_tokens")
+    assert (e.value.param, e.value.code) == ("max_completion_tokens", "context_length_exceeded")
+    assert e.value.message == (
+        "This model's maximum context length is 2048 tokens. However, you requested 2049 tokens "
+        "(1000 in the prompt, 1049 for the completion). Please reduce the prompt or the completion "
+        "length."
+    )
+
+
+# Sampling parameters -----------------------------------------------------------------------------
+def refused(**params) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams.from_dict(params)
+    return e.value
+
+
+@pytest.mark.parametrize("temperature", [0, 0.0, 1e-45, 1e-44, 1e-7, 9.99e-7])
+def test_tiny_temperatures_mean_greedy(temperature):
+    assert SamplingParams.from_dict({"temperature": temperature}).greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.01, 1.0, 7.5])
+def test_other_temperatures_sample(temperature):
+    assert not SamplingParams.from_dict({"temperature": temperature}).greedy
+    assert SamplingParams.from_dict({"temperature": temperature, "top_k": 1}).greedy
+
+
+@pytest.mark.parametrize(
+    "params,param,message",
+    [
+        ({"repetition_penalty": 1e-45}, "repetition_penalty", "'repetition_penalty' must be in [0.01, 2.0]"),
+        ({"repetition_penalty": 0.0099}, "repetition_penalty", "'repetition_penalty' must be in [0.01, 2.0]"),
+        ({"repetition_penalty": 2.01}, "repetition_penalty", "'repetition_penalty' must be in [0.01, 2.0]"),
+        (
+            {"repetition_penalty": float("nan")},
+            "repetition_penalty",
+            "'repetition_penalty' must be a finite number",
+        ),
+        ({"frequency_penalty": -2.5}, "frequency_penalty", "'frequency_penalty' must be in [-2, 2]"),
+        ({"presence_penalty": 3}, "presence_penalty", "'presence_penalty' must be in [-2, 2]"),
+        ({"min_p": 1.5}, "min_p", "'min_p' must be in [0, 1]"),
+        ({"top_p": 0}, "top_p", "'top_p' must be in (0, 1]"),
+        ({"temperature": float("inf")}, "temperature", "'temperature' must be a finite number"),
+        ({"temperature": -1e-45}, "temperature", "'temperature' must be >= 0"),
+        (
+            {"min_new_tokens": 11, "max_new_tokens": 10},
+            "min_new_tokens",
+            "'min_new_tokens' (11) must not exceed 'max_new_tokens' (10)",
+        ),
+        ({"seed": 2**64}, "seed", f"'seed' must be in [{-(2**63)}, {2**64 - 1}]"),
+        ({"seed": -(2**63) - 1}, "seed", f"'seed' must be in [{-(2**63)}, {2**64 - 1}]"),
+        ({"seed": 2**64 - 3, "n": 4}, "seed", f"'seed' must be in [{-(2**63)}, {2**64 - 4}]"),
+        ({"seed": 1.5}, "seed", "'seed' must be an integer"),
+    ],
+)
+def test_out_of_range_parameters_are_refused(params, param, message):
+    e = refused(**params)
+    assert (e.param, e.message) == (param, message)
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63)])
+def test_every_accepted_seed_seeds_a_generator(seed):
+    p = SamplingParams.from_dict({"seed": seed})
+    torch.Generator().manual_seed(p.seed)  # what the engine does with it: no error
+
+
+def test_limits_that_are_still_accepted():
+    p = SamplingParams.from_dict(
+        {"repetition_penalty": 0.01, "min_new_tokens": 10, "max_new_tokens": 10, "min_p": 1, "top_p": 1}
+    )
+    assert (p.repetition_penalty, p.min_new_tokens) == (0.01, 10)
+    assert SamplingParams.from_dict({"repetition_penalty": 2}).repetition_penalty == 2

@@ -1,0 +1,180 @@
+"""The typed messages of the KV transfer protocol and their one codec.
+
+Two kinds of traffic cross a pair. The control plane carries these dataclasses as JSON (through
+the receiver's TCPStore for the torch.distributed transports, through the receiver's inbox actor
+for Ray); the data plane carries raw K/V bytes, one payload per DATA frame. Nothing here is
+pickled: a replica of another version fails loudly at decode time.
+
+`KVTicket` is what a decode replica hands out (through the router) so that a prefill replica can
+send it a request's pages: where to connect, which transfer, and the receiver's slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.workers.disaggregation.spec import KVSpec
+
+
+@dataclass(frozen=True)
+class KVEndpoint:
+    """Where a receiving replica listens. `address` is "host:port" of its TCPStore for gloo/nccl,
+    "namespace/actor_name" of its inbox actor for ray."""
+
+    transport: str
+    replica_id: str
+    address: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVEndpoint:
+        return cls(transport=str(d["transport"]), replica_id=str(d["replica_id"]), address=str(d["address"]))
+
+
+@dataclass(frozen=True)
+class KVTicket:
+    """One expected transfer: the receiver's slots for tokens `held_tokens ..` of the request.
+
+    The receiver already holds the first `held_tokens` tokens (its radix cache matched them), so
+    only the rest moves; `dst_slots` are in token order and were allocated before the ticket was
+    issued. Valid until the receiver's deadline for it passes.
+    """
+
+    transfer_id: str
+    endpoint: KVEndpoint
+    dst_slots: tuple[int, ...]
+    held_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "transfer_id": self.transfer_id,
+            "endpoint": self.endpoint.to_dict(),
+            "dst_slots": list(self.dst_slots),
+            "held_tokens": self.held_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVTicket:
+        return cls(
+            transfer_id=str(d["transfer_id"]),
+            endpoint=KVEndpoint.from_dict(d["endpoint"]),
+            dst_slots=tuple(int(s) for s in d["dst_slots"]),
+            held_tokens=int(d.get("held_tokens", 0)),
+        )
+
+
+class FrameKind(enum.StrEnum):
+    BEGIN = "begin"  # a transfer starts: its token count and the digest of the receiver's slots
+    DATA = "data"  # one payload follows: layers [layer_begin, layer_end) x tokens [token_begin, token_end)
+    END = "end"  # every payload was sent: the receiver checks coverage and acknowledges
+    ABORT = "abort"  # the sender gave up on the transfer (`error` says why)
+    ACK = "ack"  # receiver -> sender: the transfer completed (`error` empty) or failed
+    HEARTBEAT = "heartbeat"  # either direction, while a pair is idle
+    STOP = "stop"  # a side wakes its own blocked reader when it closes; never crosses the pair
+
+
+@dataclass
+class Frame:
+    """One control message of a pair. `seq` numbers the ordered frames of a pair (BEGIN, DATA,
+    END, ABORT) from 0; a DATA payload travels with tag `seq`, so payloads of concurrent transfers
+    cannot be matched to the wrong frame, and a gap in `seq` breaks the pair."""
+
+    kind: FrameKind
+    transfer_id: str = ""
+    seq: int = -1
+    layer_begin: int = 0
+    layer_end: int = 0
+    token_begin: int = 0
+    token_end: int = 0
+    num_tokens: int = 0
+    held_tokens: int = 0
+    slots_digest: str = ""
+    error: str = ""
+
+    @property
+    def ordered(self) -> bool:
+        return self.kind in (FrameKind.BEGIN, FrameKind.DATA, FrameKind.END, FrameKind.ABORT)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if v != _FRAME_DEFAULTS[k]}
+        d["kind"] = self.kind.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Frame:
+        d = dict(d)
+        d["kind"] = FrameKind(d["kind"])
+        return cls(**d)
+
+
+_FRAME_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Frame)}
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Sender -> receiver when a pair is set up. `nonce` names this connection: a sender that
+    reconnects sends a new one, and the receiver drops the old pair."""
+
+    sender_id: str
+    nonce: str
+    spec: KVSpec
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sender_id": self.sender_id, "nonce": self.nonce, "spec": self.spec.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Hello:
+        return cls(str(d["sender_id"]), str(d["nonce"]), KVSpec.from_dict(d["spec"]))
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    """Receiver -> sender: its own spec, and the refusal if the specs differ."""
+
+    receiver_id: str
+    spec: KVSpec
+    error: str = ""
+    fields: dict[str, list[Any]] = field(default_factory=dict)  # field -> [receiver's, sender's]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "receiver_id": self.receiver_id,
+            "spec": self.spec.to_dict(),
+            "error": self.error,
+            "fields": self.fields,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HelloReply:
+        return cls(str(d["receiver_id"]), KVSpec.from_dict(d["spec"]), str(d["error"]), dict(d["fields"]))
+
+
+_TYPES: dict[str, type] = {"frame": Frame, "hello": Hello, "hello_reply": HelloReply}
+_NAMES = {t: name for name, t in _TYPES.items()}
+
+
+def encode(msg: Frame | Hello | HelloReply) -> bytes:
+    """The one wire form of a control message: JSON with a type tag."""
+    return json.dumps({"type": _NAMES[type(msg)], "body": msg.to_dict()}, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Any:
+    d = json.loads(data)
+    kind = _TYPES.get(d.get("type"))
+    if kind is None:
+        raise ValueError(f"unknown KV transfer message type {d.get('type')!r}")
+    return kind.from_dict(d["body"])  # type: ignore[attr-defined]
+
+
+def slots_digest(slots: Sequence[int]) -> str:
+    """A short digest of a slot list: the BEGIN frame carries it so that a stale ticket (the
+    receiver re-allocated its slots since) is refused instead of written into the wrong slots."""
+    return hashlib.sha1(",".join(map(str, slots)).encode()).hexdigest()[:16]

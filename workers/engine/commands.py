@@ -1,0 +1,44 @@
+"""Commands from other threads to the engine thread, queued in the engine's inbox.
+
+The engine thread runs them between steps, when no forward is in flight (`EngineCore.handle`).
+A command that answers carries a Future the caller waits on.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from radixserve.workers.engine.request import Req
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """A validated request: its n sequences, built by `EngineCore.make_reqs`."""
+
+    reqs: list[Req]
+    stream: bool  # chunks as they come, rather than one chunk per sequence at the end
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: str
+
+
+@dataclass(frozen=True)
+class FlushCache:
+    done: Future  # True once flushed; False (refused) while requests are in flight
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    max_tokens: int
+    done: Future  # the cached prefixes: token lists, most recently used first
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the loop; requests still in flight end with an EngineError."""
+
+
+Command = AddRequest | AbortRequest | FlushCache | CacheSummary | Stop
