@@ -6,7 +6,8 @@
 1. The default model (its default dtype): TP=2 (two processes, one thread each, Gloo) against TP=1
    on one thread and on two, a decode step (16 sequences of 128 tokens) and a 256-token prefill;
    per step, the time in all-reduces (2 per layer + the embedding's) and in the logits' all-gather,
-   waiting for the slower rank included.
+   waiting for the slower rank included, and one all-reduce of that step's activation timed alone
+   (ranks lined up first): the collective's own cost.
 2. A small Qwen3-MoE (8 experts, top-2): EP=2 (each rank 4 experts) and TP=2 EP=1 (each rank
    half of every expert) against EP=1, the same steps.
 
@@ -91,17 +92,33 @@ def _step(model, pool, make, group: CommGroup, repeats: int) -> dict:
     }
 
 
+def all_reduce_alone_ms(group: CommGroup, rows: int, hidden: int, dtype: torch.dtype, repeats: int) -> float:
+    """One all-reduce of a [rows, hidden] activation with the ranks lined up by a barrier first:
+    the collective's own cost, without the wait for a slower rank that a step's figure includes."""
+    x = torch.randn(rows, hidden).to(dtype)
+    times = []
+    for _ in range(repeats):
+        group.barrier()
+        start = time.perf_counter()
+        group.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
 def forwards_on_rank(group: CommGroup, path: str | None, tp: int, ep: int, repeats: int) -> dict:
     loaded = load_model(path, parallel=Parallel(ParallelConfig(tp, ep), group))
     model, c = loaded.model, loaded.config
     slots = max(DECODE_BATCH * DECODE_LEN, PREFILL_LEN) + 1
     pool = KVPool(c.num_layers, model.local_kv_heads, c.head_dim, slots, dtype=c.dtype)
     with torch.inference_mode():
-        return {
+        res = {
             "dtype": str(c.dtype).removeprefix("torch."),
             "decode": _step(model, pool, lambda: decode_batch(DECODE_BATCH, DECODE_LEN), group, repeats),
             "prefill": _step(model, pool, lambda: prefill_batch(PREFILL_LEN), group, max(3, repeats // 4)),
         }
+    for step, rows in (("decode", DECODE_BATCH), ("prefill", PREFILL_LEN)):
+        res[step]["one_all_reduce_ms"] = all_reduce_alone_ms(group, rows, c.hidden_size, c.dtype, 5 * repeats)
+    return res
 
 
 def run_layout(path: str | None, tp: int, ep: int, repeats: int, threads: int) -> dict:
@@ -116,8 +133,8 @@ def _print(label: str, res: dict) -> None:
         print(
             f"{label:26s} {step:7s} {r['ms']:8.2f} ms/step (best {r['best_ms']:7.2f})  "
             f"all-reduce {r['all_reduce_ms']:6.2f} ms "
-            f"({r['calls'].get('all_reduce', 0)} calls)  all-gather {r['all_gather_ms']:5.2f} ms  "
-            f"comm {100 * comm / r['ms']:4.1f}%",
+            f"({r['calls'].get('all_reduce', 0)} calls; one alone {r['one_all_reduce_ms']:5.3f} ms)  "
+            f"all-gather {r['all_gather_ms']:5.2f} ms  comm {100 * comm / r['ms']:4.1f}%",
             flush=True,
         )
 
