@@ -90,6 +90,8 @@ def shape_timer(shapes: Iterable[tuple[int, int]]) -> Timer:
     weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for k, n in shapes]
     packed = [cpu_ops.pack_linear_weight(w) for w in weights]
     native = cpu_ops.native_ops()
+    if native is None:
+        raise RuntimeError("the packed GEMM probe needs the CPU extension")
 
     def timer(rows: int) -> tuple[float, float]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16) for w in weights}

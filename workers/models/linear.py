@@ -109,11 +109,16 @@ class Linear(nn.Module):
         """
         if self.packed:
             raise RuntimeError("layer is already packed")
-        if not cpu_ops.gemm_available(self.weight.dtype, self.weight.device) or self.in_features % 2:
+        ops = cpu_ops.native_ops()
+        if (
+            ops is None
+            or not cpu_ops.gemm_available(self.weight.dtype, self.weight.device)
+            or self.in_features % 2
+        ):
             return False
         self.packed_weight = nn.Parameter(cpu_ops.pack_linear_weight(self.weight.data), requires_grad=False)
         self.bias_f32 = None if self.bias is None else self.bias.float()
-        self._kernel = cpu_ops.native_ops().packed_linear
+        self._kernel = ops.packed_linear
         self.packed_below = sys.maxsize if crossover is None else crossover
         if crossover is None:
             self.weight = None  # type: ignore[assignment]  # the packed copy serves every size

@@ -205,4 +205,4 @@ class LlamaForCausalLM(nn.Module):
         def skip(name: str) -> bool:
             return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
 
-        load_weights(self, weights, skip)
+        load_weights(self, weights, self.checkpoint_name, skip)

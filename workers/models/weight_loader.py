@@ -9,7 +9,7 @@ Every parameter must be loaded, or the load fails naming what is missing.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -29,11 +29,17 @@ _EXPERT = re.compile(r"^(.*)\.experts\.(\d+)(\..*)?$")
 Loaded = set[tuple[str, str, int | None]]  # (module, kind, fused part)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip) -> None:
-    """`skip(name)`: checkpoint tensors the model does not use (rotary tables, a tied head)."""
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    rename: Callable[[str], str],
+    skip: Callable[[str], bool],
+) -> None:
+    """rename(name): a checkpoint name in the model's layout; skip(name): checkpoint tensors the
+    model does not use (rotary tables, a tied head)."""
     loaded: Loaded = set()
     for name, tensor in weights:
-        name = model.checkpoint_name(name)
+        name = rename(name)
         if skip(name):
             continue
         *path, leaf, kind = name.split(".")
