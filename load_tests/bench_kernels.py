@@ -4,7 +4,8 @@
     python -m load_tests.bench_kernels --json results/kernels.json
 
 1. Projections: the packed AVX512-BF16 GEMM (kernels/csrc/gemm.h) against torch's matmul over
-   all of the default model's projections plus its LM head, at decode and prefill row counts.
+   all of the default model's projections plus its LM head, at decode and prefill row counts, and
+   the crossover row count that the model loader's probe (kernels/gemm_crossover.py) picks here.
 2. Decode attention: the native kernel against the torch fallback (gather + two batched matmuls),
    over a paged pool with unrelated sequences and with sequences sharing a 1000-token prefix.
 3. OpenMP teams: one decode forward timed on the thread that loaded the model's team and on a
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import cpu_ops
+from radixserve.kernels.gemm_crossover import packed_crossover
 
 # SmolLM2-135M: (in, out) of one layer's fused projections, 30 layers, the tied LM head.
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
@@ -190,6 +192,8 @@ def main(argv=None) -> int:
     # Kernels first, on a short-lived thread: the team test below needs a process without one.
     def kernels() -> None:
         res["gemm"] = bench_gemm([int(r) for r in args.rows.split(",")])
+        res["gemm_crossover_rows"] = packed_crossover(LAYER_SHAPES)
+        print(f"GEMM crossover the model loader picks here: {res['gemm_crossover_rows']} rows", flush=True)
         res["decode_attention"] = {
             "unrelated": bench_decode_attention(16, 100, 0),
             "shared_prefix": bench_decode_attention(64, 1100, 1000),

@@ -46,9 +46,9 @@ def make_batch(
 class ModelDriver:
     def __init__(self, model, config, num_slots: int = 4096):
         self.model = model
-        self.pool = KVPool(
-            config.num_layers, config.num_kv_heads, config.head_dim, num_slots, dtype=config.dtype
-        )
+        # A tensor-parallel shard caches only its own KV heads.
+        kv_heads = getattr(model, "local_kv_heads", config.num_kv_heads)
+        self.pool = KVPool(config.num_layers, kv_heads, config.head_dim, num_slots, dtype=config.dtype)
 
     def greedy(
         self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None

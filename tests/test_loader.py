@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.workers.models.gguf_convert import unpermute_rotary_rows
 from radixserve.workers.models.loader import default_gguf_path, load_model, resolve_dtype, resolve_model_dir
 from tests.model_driver import ModelDriver
 from tests.tiny_models import make_tiny_checkpoint, make_tiny_gguf
@@ -72,14 +71,19 @@ def test_missing_tensor_is_reported(tmp_path):
         load_model(str(path))
 
 
-def test_gguf_file_converts_once_and_matches_the_hf_checkpoint(tmp_path, monkeypatch):
-    hf_dir = make_tiny_checkpoint(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2)
+# llama: q/k rows permuted by llama.cpp; qwen3: head_dim (32) != hidden / heads (16).
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gguf_file_converts_once_and_matches_the_hf_checkpoint(tmp_path, monkeypatch, arch):
+    hf_dir = make_tiny_checkpoint(tmp_path, arch, num_attention_heads=4, num_key_value_heads=2)
     gguf_file = make_tiny_gguf(tmp_path, hf_dir)
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))  # after the tokenizer was taken
     from_gguf = load_model(gguf_file, dtype="float32")
     converted = Path(from_gguf.model_path)
     assert converted.parent == tmp_path / "cache" / "models"
-    assert from_gguf.name == "tiny-llama-0"
+    assert from_gguf.name == f"tiny-{arch}-0"
+    assert json.loads((converted / "config.json").read_text())["architectures"] == [
+        json.loads((Path(hf_dir) / "config.json").read_text())["architectures"][0]
+    ]
     assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no temp dirs left
     # Permuted q/k rows, tensor names and metadata all have to be right for exact equality.
     torch.testing.assert_close(
@@ -91,6 +95,27 @@ def test_gguf_file_converts_once_and_matches_the_hf_checkpoint(tmp_path, monkeyp
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
     assert load_model(gguf_file, dtype="float32").model_path == str(converted)
     assert (converted / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
+
+
+def test_gguf_conversion_equals_transformers_own_load_of_the_gguf(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = make_tiny_checkpoint(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2)
+    gguf_file = Path(make_tiny_gguf(tmp_path, hf_dir))
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    ours = load_model(str(gguf_file), dtype="float32")
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32, local_files_only=True
+    ).eval()
+    converted = load_file(str(Path(ours.model_path) / "model.safetensors"))
+    state = reference.state_dict()
+    assert set(converted) == set(state)
+    for name, tensor in converted.items():
+        assert torch.equal(tensor, state[name]), name
+    with torch.inference_mode():
+        expected = reference(torch.tensor([PROMPT])).logits[0, -1]
+    torch.testing.assert_close(_logits(ours), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
@@ -113,13 +138,6 @@ def test_default_model_resolves_to_its_converted_gguf():
     assert name == "SmolLM2-135M-Instruct"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in directory.iterdir()}
     assert resolve_model_dir(str(default_gguf_path()))[0] == directory  # keyed by content
-
-
-def test_unpermute_rotary_rows_restores_rotate_halves_order():
-    # One head of 4 rotary pairs: llama.cpp order is (x0, x4, x1, x5, x2, x6, x3, x7).
-    rows = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15], dtype=torch.float32)
-    restored = unpermute_rotary_rows(rows.unsqueeze(1), num_heads=2).squeeze(1)
-    assert restored.tolist() == list(range(16))
 
 
 def test_dtype_resolution():

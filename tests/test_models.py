@@ -120,6 +120,8 @@ TINY = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True}),
+    "mixtral": ("mixtral", {}),
 }
 
 
@@ -171,16 +173,20 @@ def test_llama3_rope_scaling_bands():
     assert ((ours[middle] < plain[middle]) & (ours[middle] > plain[middle] / 8.0)).all()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama3_rope_tied"])  # q/k/v biases; a tied LM head
-def test_packed_bf16_projections_match_the_unpacked_model(tmp_path, name):
+@pytest.mark.parametrize("crossover", ["none", "16"])  # packed at all sizes; prefill on torch
+# q/k/v biases; a tied LM head; experts and a router of 8 outputs (half a packed strip)
+@pytest.mark.parametrize("name", ["qwen2", "llama3_rope_tied", "qwen3_moe"])
+def test_packed_bf16_projections_match_the_unpacked_model(tmp_path, monkeypatch, name, crossover):
     """bf16 models run their projections through the packed GEMM where the CPU has it; only the
     float32 summation order differs from torch's matmul, so the logits stay within bf16 noise."""
     from radixserve.kernels import cpu_ops
-    from radixserve.workers.models.layers import Linear
+    from radixserve.kernels.gemm_crossover import ENV_OVERRIDE
+    from radixserve.workers.models.linear import Linear
     from radixserve.workers.models.loader import build_model, iter_checkpoint
 
     arch, overrides = TINY[name]
     path = make_tiny_checkpoint(tmp_path, arch, **overrides)
+    monkeypatch.setenv(ENV_OVERRIDE, crossover)
     packed = load_model(path, dtype="bfloat16")
     linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
     assert all(m.packed for m in linears) == cpu_ops.gemm_available(torch.bfloat16)

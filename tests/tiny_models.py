@@ -49,13 +49,34 @@ LLAMA3_ROPE_SCALING = {
 }
 
 
-def _config(arch: str, overrides: dict[str, Any]):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+# Sparse MoE: 8 experts of width 32, two per token.
+_MOE: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+}
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+def _config(arch: str, overrides: dict[str, Any]):
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
+
+    classes = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "qwen3_moe": Qwen3MoeConfig,
+        "mixtral": MixtralConfig,
+    }
     if arch not in classes:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {', '.join(classes)}")
-    extra = {"head_dim": 32} if arch == "qwen3" else {}  # Qwen3: head_dim != hidden / heads
+    extra = {"head_dim": 32} if arch == "qwen3" else _MOE.get(arch, {})  # Qwen3: head_dim != hidden / heads
     return classes[arch](**{**_BASE, **extra, **overrides})
 
 
@@ -73,7 +94,8 @@ def make_tiny_checkpoint(
     max_shard_size: str | None = None,
     **overrides: Any,
 ) -> str:
-    """Write a tiny random `arch` model ("llama", "mistral", "qwen2", "qwen3") under tmp_path.
+    """Write a tiny random `arch` model ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+    "mixtral") under tmp_path.
 
     `overrides` are config fields (e.g. num_hidden_layers=3, tie_word_embeddings=True,
     rope_scaling=LLAMA3_ROPE_SCALING); `max_shard_size` (e.g. "1MB") shards the safetensors.

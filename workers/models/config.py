@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 # Rope types whose frequencies we compute ourselves; anything else fails at load time rather
@@ -31,6 +33,44 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Sparse MoE MLPs: softmax over the router logits, the top `top_k` experts, their weights
+    renormalized to sum 1 when `norm_topk_prob` (Mixtral always; Qwen3-MoE per checkpoint)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool
+    layers: tuple[int, ...]  # decoder layers whose MLP is sparse (the rest are dense)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
+        if arch == "MixtralForCausalLM":
+            experts = int(hf.get("num_local_experts", 8))
+            return cls(
+                experts,
+                int(hf.get("num_experts_per_tok", 2)),
+                int(hf["intermediate_size"]),
+                True,
+                tuple(range(num_layers)),
+            )
+        if arch != "Qwen3MoeForCausalLM":
+            return None
+        # transformers 5 writes `num_local_experts`, the published checkpoints `num_experts`.
+        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        step = int(hf.get("decoder_sparse_step", 1))
+        dense = set(hf.get("mlp_only_layers") or [])
+        layers = tuple(i for i in range(num_layers) if experts and i not in dense and (i + 1) % step == 0)
+        return cls(
+            experts,
+            int(hf.get("num_experts_per_tok", 8)),
+            int(hf["moe_intermediate_size"]),
+            bool(hf.get("norm_topk_prob", False)),
+            layers,
+        )
 
 
 @dataclass(frozen=True)
@@ -54,6 +94,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: torch.dtype
+    moe: MoeConfig | None = None  # None: every layer has a dense MLP
 
     @property
     def q_size(self) -> int:
@@ -89,12 +130,13 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hidden // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        num_layers = int(hf["num_hidden_layers"])
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -105,10 +147,11 @@ class ModelConfig:
             qkv_bias=True if is_qwen2 else attention_bias,
             o_bias=False if arch.startswith("Qwen") else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=_eos_ids(hf, generation_config or {}),
             bos_token_id=hf.get("bos_token_id"),
             dtype=dtype,
+            moe=MoeConfig.from_hf(hf, arch, num_layers),
         )
 
 

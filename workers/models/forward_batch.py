@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from radixserve.workers.distributed.group import CommGroup
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill of new tokens after a (possibly empty) cached prefix
@@ -56,3 +58,45 @@ class ForwardBatch:
         for n in self.extend_lens_list:
             out.append(out[-1] + n)
         return out
+
+
+_STOP = -1  # the header's mode when the scheduling rank ends the followers' loop
+
+
+def broadcast_batch(group: CommGroup, batch: ForwardBatch | None = None, src: int = 0) -> ForwardBatch | None:
+    """Rank `src`'s batch on every rank of `group`: two broadcasts (the sizes, then one int64 tensor
+    of every field; the tensors land on the group's device). The other ranks pass nothing; `src`
+    passing None tells them to stop (they get None):
+
+        while (batch := broadcast_batch(group)) is not None:   # a following rank's loop
+            model(batch, kv_pool)
+    """
+    if group.world_size == 1:
+        return batch
+    header = torch.full((4,), _STOP, dtype=torch.int64, device=group.device)
+    if group.rank == src and batch is not None:
+        mode = list(ForwardMode).index(batch.mode)
+        header.copy_(torch.tensor([mode, batch.batch_size, batch.num_tokens, batch.kv_indices.shape[1]]))
+    mode, b, t, width = group.broadcast(header, src).tolist()
+    if mode == _STOP:
+        return None
+    sizes = [t, t, t, b, b, b * width, b]  # input_ids, positions, out_slots, seq_lens, extend, kv, logits
+    if group.rank == src and batch is not None:
+        fields = (batch.input_ids, batch.positions, batch.out_slots, batch.seq_lens, batch.extend_lens)
+        flat = torch.cat([f.reshape(-1) for f in (*fields, batch.kv_indices, batch.logits_indices)])
+        group.broadcast(flat.to(device=group.device, dtype=torch.int64), src)
+        return batch
+    flat = group.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=group.device), src)
+    ids, pos, slots, seq_lens, extend, kv, logits = flat.split(sizes)
+    return ForwardBatch(
+        mode=list(ForwardMode)[mode],
+        input_ids=ids,
+        positions=pos,
+        out_slots=slots,
+        seq_lens=seq_lens,
+        extend_lens=extend,
+        kv_indices=kv.view(b, width),
+        logits_indices=logits,
+        seq_lens_list=seq_lens.tolist(),
+        extend_lens_list=extend.tolist(),
+    )

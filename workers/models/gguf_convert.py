@@ -1,11 +1,13 @@
 """GGUF -> Hugging Face directory (config.json, model.safetensors, tokenizer), once, atomically.
 
-Quantized tensors are dequantized to float32 with the `gguf` package. llama.cpp stores the q/k
-projections of llama-architecture models with rows permuted for its interleaved rotary; they are
-permuted back to the Hugging Face (rotate-halves) layout here. The tokenizer and chat template are
-rebuilt by transformers' GGUF reader. The result is written to a temporary directory next to the
-target and renamed into place, so an interrupted or concurrent conversion never leaves a partial
-directory behind.
+transformers' own GGUF reader does the translation: the config from the metadata, llama.cpp's
+tensor names onto the Hugging Face model's, the dequantization (through the `gguf` package) and the
+un-permutation of llama's q/k rows (llama.cpp interleaves the rotary halves). What is added here
+is what that reader leaves out for the architectures served: the special token ids (it gives them
+to the tokenizer only), Qwen3's head_dim (it maps `attention.key_length` only for Qwen3-MoE and
+takes the config class's default otherwise), llama's linear rope scaling, and refusals for what would otherwise load silently wrong (per-frequency rope
+factors, other scalings). The result is written to a temporary directory next to the target and
+renamed into place, so an interrupted or concurrent conversion never leaves a partial directory.
 """
 
 from __future__ import annotations
@@ -18,36 +20,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: transformers' GGUF reader (1: our own tables)
 
-# GGUF architecture -> (Hugging Face architecture, model_type, q/k rows permuted by llama.cpp)
-_ARCHS = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
-}
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# GGUF architectures served (general.architecture); the model classes are transformers' choice.
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def converted_dir(gguf_path: str | Path, cache_root: str | Path) -> Path:
@@ -87,101 +65,57 @@ def ensure_converted(gguf_path: str | Path, cache_root: str | Path) -> Path:
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     """Write config.json, generation_config.json, model.safetensors and tokenizer files."""
-    from gguf import GGUFReader
     from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.gguf import read_gguf_metadata
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    reader = GGUFReader(str(gguf_path))
-    meta = {name: _field_value(field) for name, field in reader.fields.items()}
-    arch_key = meta.get("general.architecture")
-    if arch_key not in _ARCHS:
-        raise ValueError(f"GGUF architecture {arch_key!r} is not supported; supported: {', '.join(_ARCHS)}")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
+    metadata, tensor_names = read_gguf_metadata(str(gguf_path))
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}"
+        )
+    if "rope_freqs.weight" in tensor_names:
         raise ValueError("GGUF files with per-frequency rope factors (Llama 3.1 style) are not supported yet")
-    config = _hf_config(meta, arch_key, tie=("output.weight" not in names))
-    tensors = {}
-    for t in reader.tensors:
-        tensors[_hf_name(t.name)] = _dequantize(t, config, permuted=_ARCHS[arch_key][2])
+    config_dict = load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"]
+    config = AutoConfig.for_model(**{**config_dict, **_missing_config(metadata, arch)})
+    with torch.device("meta"):  # only its parameter names are read
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]
+    parsed = load_gguf_checkpoint(
+        str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+    )
+    tensors = {name: t.contiguous() for name, t in parsed["tensors"].items()}
+    expected = {name for name, _ in skeleton.named_parameters()}
+    if missing := sorted(expected - set(tensors)):
+        raise ValueError(f"GGUF file lacks tensors for {missing[:4]}")
     out = Path(out_dir)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    config.dtype = torch.float32
+    config.to_json_file(str(out / "config.json"))
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     _save_tokenizer(Path(gguf_path), out)
 
 
-def _field_value(field) -> Any:
-    try:
-        return field.contents()
-    except Exception:  # exotic field types we never read
-        return None
-
-
-def _hf_config(meta: dict[str, Any], arch_key: str, tie: bool) -> dict[str, Any]:
-    def get(key, default=None):
-        return meta.get(f"{arch_key}.{key}", default)
-
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = meta.get(f"{arch_key}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    architecture, model_type, _ = _ARCHS[arch_key]
-    config = {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
-        "hidden_act": "silu",
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": tie,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
+def _missing_config(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Config fields the GGUF states but transformers' reader does not map for `arch`."""
+    # The reader puts the special tokens into the tokenizer's config only; the model's defaults are
+    # some other checkpoint's ids.
+    extra: dict[str, Any] = {
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
     }
-    if get("rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif get("rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
-    return config
-
-
-def _hf_name(name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    parts = name.split(".")
-    if parts[0] != "blk" or len(parts) != 4 or parts[2] not in _BLOCK_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {name!r}")
-    return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
-
-
-def _dequantize(tensor, config: dict[str, Any], permuted: bool) -> torch.Tensor:
-    from gguf import quants
-
-    # GGUF lists dimensions fastest-first; numpy/torch want them slowest-first.
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    array = quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
-    result = torch.from_numpy(np.ascontiguousarray(array))
-    if permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-        is_q = tensor.name.endswith("attn_q.weight")
-        heads = config["num_attention_heads"] if is_q else config["num_key_value_heads"]
-        result = unpermute_rotary_rows(result, heads)
-    return result
-
-
-def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's per-head row order (pairs interleaved) back to rotate-halves order.
-
-    Within each head llama.cpp stores row (2*i + j) where Hugging Face has row (j*half + i).
-    """
-    rows, cols = weight.shape
-    half = rows // num_heads // 2
-    return weight.reshape(num_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+    if arch == "qwen3" and f"{arch}.attention.key_length" in metadata:
+        extra["head_dim"] = int(metadata[f"{arch}.attention.key_length"])
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        factor = float(metadata[f"{arch}.rope.scaling.factor"])
+        extra["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
+    return extra
 
 
 def _save_tokenizer(gguf_path: Path, out: Path) -> None:

@@ -1,18 +1,15 @@
-"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, fused projections.
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, the gated activation.
 
 Everything runs in the model dtype except the reductions of RMSNorm (float32, as the reference
 implementations do). The elementwise work goes through kernels.cpu_ops (fused C++ where built).
-q/k/v and gate/up are fused into one Linear each at load time, so a layer issues one GEMM where
-Hugging Face issues three.
+The projections are in linear.py, their tensor-parallel shards in parallel_layers.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.kernels import cpu_ops
@@ -93,89 +90,6 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
-class Linear(nn.Module):
-    """y = x @ W^T + b, W [out_features, in_features] as checkpoints store it.
-
-    `pack_()` (after loading) re-lays W for cpu_ops.packed_linear where that kernel exists (bf16 on
-    AVX512-BF16 CPUs): 2.2-2.6x oneDNN at decode batch sizes, 0.96x at prefill sizes. The packed
-    tensor replaces `weight`, so memory does not grow; float32 rounding differs from oneDNN's only
-    in summation order.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
-            if bias
-            else None
-        )
-        self.bias_f32: torch.Tensor | None = None
-        self._kernel = None  # the extension's packed_linear, bound once packed
-
-    @property
-    def packed(self) -> bool:
-        return self._kernel is not None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is not None and x.dim() == 2:
-            return self._kernel(x, self.weight, self.out_features, self.bias_f32)  # checks x itself
-        if self.packed:
-            return cpu_ops.packed_linear(x, self.weight, self.out_features, self.bias_f32)
-        return F.linear(x, self.weight, self.bias)
-
-    def pack_(self) -> bool:
-        """Switch to the packed kernel if it runs here; False (unchanged) otherwise."""
-        if (
-            self.packed
-            or not cpu_ops.gemm_available(self.weight.dtype, self.weight.device)
-            or self.in_features % 2
-        ):
-            return self.packed
-        self.weight = nn.Parameter(cpu_ops.pack_linear_weight(self.weight.data), requires_grad=False)
-        self.bias_f32 = None if self.bias is None else self.bias.float()
-        self._kernel = cpu_ops.native_ops().packed_linear
-        return True
-
-
-class FusedLinear(Linear):
-    """One Linear whose output rows are the concatenation of several checkpoint Linears.
-
-    `shard_sizes` are the output sizes of the parts in order (q, k, v or gate, up);
-    `load_shard(i, w)` copies checkpoint part i into its rows (before `pack_`).
-    """
-
-    def __init__(
-        self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype, device=None
-    ):
-        self.shard_sizes = list(shard_sizes)
-        self.offsets = [0]
-        for n in self.shard_sizes:
-            self.offsets.append(self.offsets[-1] + n)
-        super().__init__(in_features, self.offsets[-1], bias, dtype, device)
-
-    def load_shard(self, index: int, param_name: str, tensor: torch.Tensor) -> None:
-        if self.packed:
-            raise RuntimeError("weights are loaded before the layer is packed")
-        target = self.weight if param_name == "weight" else self.bias
-        if target is None:
-            raise ValueError(f"checkpoint has a {param_name} that this layer does not expect")
-        lo, hi = self.offsets[index], self.offsets[index + 1]
-        if tuple(tensor.shape) != (hi - lo, *target.shape[1:]):
-            raise ValueError(
-                f"shard {index} {param_name}: shape {tuple(tensor.shape)} != {(hi - lo, *target.shape[1:])}"
-            )
-        with torch.no_grad():
-            target[lo:hi].copy_(tensor)
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
     return cpu_ops.silu_mul(gate_up)
-
-
-def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None) -> Linear:
-    return Linear(in_features, out_features, bias, dtype, device)

@@ -4,6 +4,12 @@ Parameter names follow the Hugging Face checkpoints (`model.layers.N.self_attn..
 fused projections: q/k/v become `qkv_proj` and gate/up become `gate_up_proj`; `load_weights` maps
 checkpoint names onto them. `forward(batch, kv_pool)` returns float32 logits for the rows
 `batch.logits_indices` only.
+
+Under tensor parallelism (`parallel`, workers/distributed/parallel.py) the model is one rank's
+shard: its own query and KV heads (`local_kv_heads` sizes its KV pool), a slice of every MLP, a
+block of the vocabulary. Every rank runs the same forward on the same ForwardBatch; the forward
+issues one all-reduce for the embedding, one per attention block and one per MLP block, and one
+all-gather of the logits, so every rank returns the full logits.
 """
 
 from __future__ import annotations
@@ -11,41 +17,35 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.kernels import cpu_ops
+from radixserve.workers.distributed.parallel import Parallel, shard_range
 from radixserve.workers.models.attention import AttentionBackend
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.forward_batch import ForwardBatch
-from radixserve.workers.models.layers import (
-    FusedLinear,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    linear,
-    silu_and_mul,
+from radixserve.workers.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from radixserve.workers.models.linear import FusedLinear, Linear
+from radixserve.workers.models.parallel_layers import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
-
-# checkpoint leaf module -> (our fused module, shard index)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+from radixserve.workers.models.weight_loader import load_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend, parallel: Parallel):
         super().__init__()
         c = config
         self.layer_id = layer_id
         self.backend = backend
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.qkv_proj = FusedLinear(c.hidden_size, [c.q_size, c.kv_size, c.kv_size], c.qkv_bias, c.dtype)
-        self.o_proj = linear(c.q_size, c.hidden_size, c.o_bias, c.dtype)
+        split = parallel.heads(c.num_heads, c.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = split.num_heads, split.num_kv_heads, c.head_dim
+        d = c.head_dim
+        q, kv = (split.q_lo * d, split.q_hi * d), (split.kv_lo * d, split.kv_hi * d)
+        self.qkv_proj = FusedLinear(c.hidden_size, [q, kv, kv], c.qkv_bias, c.dtype)
+        self.o_proj = RowParallelLinear(q, c.hidden_size, c.o_bias, c.dtype, parallel.group)
 
     def forward(self, x: torch.Tensor, cos, sin, batch: ForwardBatch, kv_pool) -> torch.Tensor:
         tokens = x.shape[0]
@@ -68,21 +68,41 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """silu(x @ gate^T) * (x @ up^T) @ down^T; also one expert of a sparse MoE block.
+
+    A dense MLP splits its intermediate features over the tensor-parallel ranks and sums the
+    partial outputs itself; an expert splits them over its expert group's ranks and leaves the
+    sum to the MoE block (one all-reduce for all experts).
+    """
+
+    def __init__(self, config: ModelConfig, parallel: Parallel, expert_size: int | None = None):
         super().__init__()
         c = config
-        self.gate_up_proj = FusedLinear(c.hidden_size, [c.intermediate_size] * 2, c.mlp_bias, c.dtype)
-        self.down_proj = linear(c.intermediate_size, c.hidden_size, c.mlp_bias, c.dtype)
+        if expert_size is None:
+            inter, parts, part = c.intermediate_size, parallel.tp_size, parallel.tp_rank
+        else:
+            inter, parts, part = expert_size, parallel.config.moe_tp_size, parallel.moe_tp_rank
+        rows = shard_range(inter, parts, part)
+        self.gate_up_proj = FusedLinear(c.hidden_size, [rows, rows], c.mlp_bias, c.dtype)
+        self.down_proj = RowParallelLinear(
+            rows,
+            c.hidden_size,
+            c.mlp_bias,
+            c.dtype,
+            parallel.group,
+            reduce=expert_size is None,
+            holds_bias=part == 0,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend, attention_cls):
+    def __init__(self, config: ModelConfig, layer_id: int, backend, parallel: Parallel, attention_cls, mlp):
         super().__init__()
-        self.self_attn = attention_cls(config, layer_id, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = attention_cls(config, layer_id, backend, parallel)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
@@ -97,12 +117,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, attention_cls):
+    def __init__(self, config: ModelConfig, backend, parallel: Parallel, arch: type[LlamaForCausalLM]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
-        self.embed_tokens.requires_grad_(False)
+        c = config
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, c.dtype, parallel.group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, attention_cls) for i in range(config.num_layers)
+            LlamaDecoderLayer(c, i, backend, parallel, arch.attention_cls, arch.make_mlp(c, i, parallel))
+            for i in range(c.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
@@ -110,39 +131,51 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Build under `torch.device("meta")`, then `to_empty(device=...)` and `load_weights(...)`."""
 
-    attention_cls = LlamaAttention
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary_device="cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rotary_device="cpu",
+        parallel: Parallel | None = None,
+    ):
         super().__init__()
         self.config = config
         self.backend = backend
-        self.model = LlamaModel(config, backend, self.attention_cls)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else linear(config.hidden_size, config.vocab_size, False, config.dtype)
+        self.parallel = parallel = parallel or Parallel.single()
+        self.local_kv_heads = parallel.heads(config.num_heads, config.num_kv_heads).num_kv_heads
+        self.model = LlamaModel(config, backend, parallel, type(self))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, config.dtype, parallel.group, config.tie_word_embeddings
         )
         # Explicit device: the table is computed now, even when the module is built on meta.
         self.rotary = RotaryEmbedding(
             config.head_dim, config.context_length, config.rope, config.dtype, rotary_device
         )
 
-    def pack_weights(self) -> bool:
-        """Re-lay every projection for the packed CPU GEMM where it runs (after load_weights).
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer_id: int, parallel: Parallel) -> nn.Module:
+        """The MLP of decoder layer `layer_id` (MoE architectures pick sparse blocks here)."""
+        return LlamaMLP(config, parallel)
 
-        A tied LM head gets its own packed copy of the embedding (the lookup needs the plain one).
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A checkpoint tensor's name in this model's layout (architectures that name theirs
+        differently translate here)."""
+        return name
+
+    def pack_weights(self, crossover: int | None = None) -> bool:
+        """Give every projection its packed CPU GEMM copy where that kernel runs (after
+        load_weights); `crossover` as in Linear.pack_. A tied LM head packs the embedding, and
+        above the crossover multiplies by the embedding itself (no second plain copy).
         """
         weight = self.model.embed_tokens.weight
         if not cpu_ops.gemm_available(weight.dtype, weight.device):
             return False
-        if self.lm_head is None:
-            self.lm_head = linear(
-                self.config.hidden_size, self.config.vocab_size, False, weight.dtype, weight.device
-            )
-            self.lm_head.weight.data.copy_(weight)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_()
+                module.pack_(crossover)
         return True
 
     @torch.inference_mode()
@@ -160,39 +193,16 @@ class LlamaForCausalLM(nn.Module):
         # of a small model): RMSNorm is per row, so this is exact.
         rows = batch.logits_indices
         h = self.model.norm.add_forward(residual[rows], delta[rows])
-        logits = F.linear(h, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
-        return logits.float()
+        return self.lm_head(h).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) in; raise if any parameter is left unset."""
-        params = dict(self.named_parameters())
-        expected = set(params)
-        fused_loaded: set[tuple[str, int, str]] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            *path, leaf, kind = name.split(".")
-            if leaf in _FUSED:
-                fused, index = _FUSED[leaf]
-                module_name = ".".join([*path, fused])
-                self.get_submodule(module_name).load_shard(index, kind, tensor)
-                fused_loaded.add((module_name, index, kind))
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            if params[name].shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}"
-                )
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            expected.discard(name)
-        for name in list(expected):
-            module_name, kind = name.rsplit(".", 1)
-            module = self.get_submodule(module_name)
-            if isinstance(module, FusedLinear) and all(
-                (module_name, i, kind) in fused_loaded for i in range(len(module.shard_sizes))
-            ):
-                expected.discard(name)
-        if expected:
-            raise ValueError(f"checkpoint is missing tensors: {sorted(expected)[:8]}")
+        """Copy this rank's slice of every checkpoint tensor (Hugging Face names) in; raise if any
+        parameter is left unset."""
+        tied = self.config.tie_word_embeddings
+        if tied:
+            self.lm_head.tie_(self.model.embed_tokens)
+
+        def skip(name: str) -> bool:
+            return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+        load_weights(self, weights, self.checkpoint_name, skip)

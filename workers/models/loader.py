@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,11 +23,21 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixserve.kernels import cpu_ops
+from radixserve.kernels.gemm_crossover import packed_crossover
+from radixserve.workers.distributed.parallel import Parallel
 from radixserve.workers.models.attention import get_backend
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.gguf_convert import ensure_converted
+from radixserve.workers.models.linear import Linear
 from radixserve.workers.models.llama import LlamaForCausalLM
-from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from radixserve.workers.models.mixtral import MixtralForCausalLM
+from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Host memory share that plain copies of the projections (kept beside the packed ones for prefill
+# sizes) may take; beyond it the packed copy alone serves every size.
+DUAL_WEIGHTS_MAX_MEMORY = 0.05
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,6 +47,8 @@ MODEL_CLASSES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 _DTYPES = {
@@ -148,14 +161,46 @@ def read_config(model_dir: Path, dtype: torch.dtype) -> ModelConfig:
     return ModelConfig.from_hf(hf, dtype, gen)
 
 
-def build_model(config: ModelConfig, attention_backend: str = "auto", device: str = "cpu") -> torch.nn.Module:
-    """An uninitialized model of the config's architecture (weights still to be loaded)."""
+def build_model(
+    config: ModelConfig,
+    attention_backend: str = "auto",
+    device: str = "cpu",
+    parallel: Parallel | None = None,
+) -> torch.nn.Module:
+    """An uninitialized model of the config's architecture (weights still to be loaded); with
+    `parallel`, this rank's shard of it."""
     backend = get_backend(attention_backend, device)
     if device == "cpu":
         cpu_ops.native_ops()  # build (first time on a machine, ~1 min) now, not in the first forward
     with torch.device("meta"):
-        model = MODEL_CLASSES[config.architecture](config, backend, rotary_device=device)
+        model = MODEL_CLASSES[config.architecture](config, backend, rotary_device=device, parallel=parallel)
     return model.to_empty(device=device).eval()
+
+
+def packed_gemm_crossover(model: torch.nn.Module) -> int | None:
+    """Rows from which the projections switch from the packed GEMM to torch's matmul (keeping a
+    plain copy of every projection beside the packed one), or None for one packed copy only.
+
+    The plain copies are kept only where torch measures faster at prefill sizes on this machine
+    (kernels/gemm_crossover.py) and they cost at most DUAL_WEIGHTS_MAX_MEMORY of the host's memory:
+    on the 2-core dev VM they gained 2-4% of a 512-token prefill forward for +79% of the default
+    model's weight bytes (212 MB in bf16), a trade only a small model should make.
+    """
+    linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"]
+    if not linears or not cpu_ops.gemm_available(linears[0].weight.dtype, linears[0].weight.device):
+        return None
+    crossover = packed_crossover((m.in_features, m.out_features) for m in linears)
+    plain_bytes = sum(m.in_features * m.out_features for m in linears) * linears[0].weight.element_size()
+    budget = DUAL_WEIGHTS_MAX_MEMORY * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if crossover is not None and plain_bytes > budget:
+        log.info("packed GEMM for all sizes: plain copies (%.0f MB) exceed the budget", plain_bytes / 1e6)
+        return None
+    log.info(
+        "packed GEMM below %s rows%s",
+        crossover,
+        "" if crossover is None else f", torch above (+{plain_bytes / 1e6:.0f} MB of plain weights)",
+    )
+    return crossover
 
 
 def load_tokenizer(model_dir: Path):
@@ -168,15 +213,20 @@ def load_model(
     model_path: str | None = None,
     dtype: str | torch.dtype | None = None,
     attention_backend: str = "auto",
+    parallel: Parallel | None = None,
 ) -> LoadedModel:
-    """Load a local model. `model_path` None = the embedded SmolLM2-135M-Instruct default."""
+    """Load a local model. `model_path` None = the embedded SmolLM2-135M-Instruct default.
+
+    With `parallel`, this rank's shard (every rank of the group calls this with the same path):
+    the model holds only its slices, read from the full checkpoint tensors.
+    """
     torch_dtype = resolve_dtype(dtype)
     model_dir, name = resolve_model_dir(model_path)
     config = read_config(model_dir, torch_dtype)
     tokenizer = load_tokenizer(model_dir)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config = dataclasses.replace(config, eos_token_ids=(int(tokenizer.eos_token_id),))
-    model = build_model(config, attention_backend)
+    model = build_model(config, attention_backend, parallel=parallel)
     model.load_weights(iter_checkpoint(model_dir))
-    model.pack_weights()
+    model.pack_weights(packed_gemm_crossover(model))
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)
