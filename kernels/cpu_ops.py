@@ -36,7 +36,7 @@ def _cpu_signature() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def native_ops() -> Any | None:
+def native_ops() -> Any:  # the extension module, or None
     """The compiled extension module, or None when disabled or unbuildable."""
     if os.environ.get("RADIXSERVE_CPU_KERNELS", "1") == "0":
         return None

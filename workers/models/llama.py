@@ -121,7 +121,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         c = config
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, c.dtype, parallel.group)
-        self.layers = nn.ModuleList(
+        self.layers: list[LlamaDecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
             LlamaDecoderLayer(c, i, backend, parallel, arch.attention_cls, arch.make_mlp(c, i, parallel))
             for i in range(c.num_layers)
         )

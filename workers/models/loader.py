@@ -166,7 +166,7 @@ def build_model(
     attention_backend: str = "auto",
     device: str = "cpu",
     parallel: Parallel | None = None,
-) -> torch.nn.Module:
+) -> LlamaForCausalLM:
     """An uninitialized model of the config's architecture (weights still to be loaded); with
     `parallel`, this rank's shard of it."""
     backend = get_backend(attention_backend, device)
