@@ -182,6 +182,11 @@ def instant(prom: httpx.Client, expr: str) -> list[dict]:
 
 
 def test_ray_started_by_the_cli_listens_on_loopback_only(app):
+    # Serving starts with the first engine replica; every replica's servers must be up to count.
+    deadline = time.monotonic() + 180
+    while len(httpx.get(app.url + "/get_server_info", timeout=30).json()["replicas"]) < 2:
+        assert time.monotonic() < deadline, "the second engine replica did not come up"
+        time.sleep(0.5)
     listening: list[tuple[str, str, int]] = []
     family = [psutil.Process(app.proc.pid), *psutil.Process(app.proc.pid).children(recursive=True)]
     for p in family:
