@@ -37,7 +37,7 @@ lint: setup $(LINT_ROOT)/radixserve
 	$(VENV)/bin/ruff format --check .
 	cd $(LINT_ROOT) && MYPYPATH=. ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
 		-p radixserve.cluster -p radixserve.router -p radixserve.workers -p radixserve.kernels
-	PYTHONPATH=$(LINT_ROOT) $(VENV)/bin/lint-imports --config pyproject.toml
+	PYTHONPATH=$(LINT_ROOT) $(VENV)/bin/lint-imports pyproject.toml
 
 bench: setup
 	$(VENV)/bin/python -m load_tests.bench_offline $(ARGS)

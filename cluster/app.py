@@ -28,8 +28,11 @@ def replica_options(args: ServerArgs) -> dict[str, Any]:
     """Serve options of the engine deployment. The routing policy plugs in here, as this
     deployment's Serve request router: every handle to it (one per ingress replica) builds its
     own PolicyRequestRouter with these policy settings."""
+    # Serve takes the class as an import path (its field validator imports it); its annotation
+    # names only the deserialized form.
     router = RequestRouterConfig(
-        request_router_class=REQUEST_ROUTER_CLASS, request_router_kwargs=args.policy_kwargs()
+        request_router_class=REQUEST_ROUTER_CLASS,  # type: ignore[arg-type]
+        request_router_kwargs=args.policy_kwargs(),
     )
     cpus = args.deployment.replica_num_cpus
     if cpus is None:
@@ -60,7 +63,8 @@ def replica_cpu_share(dp: int) -> float:
 
 
 def build(args: ServerArgs) -> Application:
-    replicas = EngineReplica.options(**replica_options(args)).bind(args.engine)
+    # @serve.deployment turns the class into a Deployment, which mypy cannot see through.
+    replicas = EngineReplica.options(**replica_options(args)).bind(args.engine)  # type: ignore[attr-defined]
     ingress = IngressDeployment.options(
         num_replicas=args.deployment.ingress_replicas,
         max_ongoing_requests=args.deployment.max_ongoing_requests,

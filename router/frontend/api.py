@@ -131,13 +131,15 @@ def add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> Response:
         return errors.from_exception(exc, errors.request_id(request)).response()
 
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
         return errors.from_validation_errors(list(exc.errors())).response()
 
     app.add_exception_handler(errors.APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
 
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 404:
             return errors.not_found(request.url.path).response()
         if exc.status_code == 405:
@@ -278,6 +280,7 @@ async def tokenize(ing: Ingress, req: TokenizeRequest, http: Request) -> Respons
     if req.prompt is not None:
         ids = await pool.run(len(req.prompt), tok.encode, req.prompt, req.add_special_tokens, "prompt")
     else:
+        assert req.messages is not None
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await pool.run(sum(len(m["content"]) for m in messages), tok.encode_chat, messages)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ing.card.context_length})

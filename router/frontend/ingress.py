@@ -79,7 +79,8 @@ class ReplicaStream:
 
 
 class Ingress:
-    async def __init__(self, replicas: DeploymentHandle, config: IngressConfig):
+    # Serve awaits an async constructor; mypy knows only synchronous ones.
+    async def __init__(self, replicas: DeploymentHandle, config: IngressConfig):  # type: ignore[misc]
         """`config.policy` is the routing policy that cluster/app.py also gives the engine
         deployment's request router."""
         self.replicas = replicas
@@ -157,6 +158,7 @@ class Ingress:
 
     async def _open(self, req: GenerateRequest, timer: RequestTimer) -> ReplicaStream:
         gen = self.route(req).options(stream=True).generate.remote(req.to_dict())
+        assert isinstance(gen, DeploymentResponseGenerator)  # a stream=True handle's call
         stream = ReplicaStream(gen, req.rid, timer)
         try:
             if await stream.next() is None:  # the acceptance (an empty chunk)

@@ -306,9 +306,11 @@ async def generate(ing: Ingress, req: GenerateHTTPRequest, http: Request) -> Res
     if req.text is not None:
         ids = await encode_prompt(ing, req.text, "text")
     else:
-        check_prompt_fits(len(req.input_ids), ing.card.context_length, "input_ids")
-        ing.tokenizer.check_ids(req.input_ids, "input_ids")
-        ids = list(req.input_ids)
+        input_ids = req.input_ids
+        assert input_ids is not None
+        check_prompt_fits(len(input_ids), ing.card.context_length, "input_ids")
+        ing.tokenizer.check_ids(input_ids, "input_ids")
+        ids = list(input_ids)
     if not ids:
         raise errors.bad_request("the prompt must not be empty", "text")
     params = native_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)

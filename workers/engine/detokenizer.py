@@ -112,7 +112,7 @@ def _first_match(text: str, stops: tuple[str, ...]) -> tuple[int, str | None]:
     best_at, best = len(text) + 1, None
     for s in stops:
         at = text.find(s)
-        if at != -1 and (at < best_at or (at == best_at and len(s) < len(best))):
+        if at != -1 and (at < best_at or (at == best_at and best is not None and len(s) < len(best))):
             best_at, best = at, s
     return best_at, best
 

@@ -151,6 +151,7 @@ class ForwardWorker:
             if len(job.rows) != logits.shape[0]:
                 logits = logits[torch.tensor(job.rows)]
             if job.constrained:
+                assert job.bitmask is not None, "constrained rows come with their bitmask"
                 apply_bitmask(logits, job.bitmask, job.constrained)
             self._sample(logits, job)
         job.ended_at = time.perf_counter()
@@ -163,6 +164,7 @@ class ForwardWorker:
             for r in job.reqs:
                 if r.key not in skip:
                     self.check_fault("sample", r)
+            assert job.sampling is not None, "a job with rows to sample has their sampling batch"
             result = self.sampler.sample(logits, job.sampling)
             job.tokens, job.logprobs = result.token_ids, result.logprobs
             return
@@ -225,8 +227,10 @@ class ForwardWorker:
 
     def _serve(self) -> None:
         self.init_thread()
+        jobs = self._jobs
+        assert jobs is not None, "the forward thread runs only in overlap mode"
         while True:
-            item: Any = self._jobs.get()
+            item: Any = jobs.get()
             if item is None:
                 return
             job, fut = item

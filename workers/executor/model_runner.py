@@ -29,6 +29,8 @@ class ModelRunner:
         decode = plan.kind is BatchKind.DECODE
         for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
             end = start + n
+            row = req.row
+            assert row is not None, "a scheduled request holds a table row"
             if decode:
                 ids.append(req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1])
                 positions.append(start)
@@ -37,10 +39,10 @@ class ModelRunner:
                 positions.extend(range(start, end))
             out_slots.extend(req.kv_slots[start:end])
             seq_lens.append(end)
-            rows.append(req.row)
+            rows.append(row)
             # Sync the request's table row with its slot list (only the new part, usually).
             new = req.kv_slots[req.table_len : end]
-            t_rows.extend([req.row] * len(new))
+            t_rows.extend([row] * len(new))
             t_cols.extend(range(req.table_len, end))
             t_vals.extend(new)
             req.table_len = end
