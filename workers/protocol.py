@@ -31,19 +31,34 @@ class InvalidRequest(ValueError):
 
 
 def check_context_length(
-    prompt_tokens: int, max_new_tokens: int, context_length: int, param: str = "max_tokens"
+    prompt_tokens: int,
+    max_new_tokens: int,
+    context_length: int,
+    param: str = "max_tokens",
+    *,
+    prompt_at_least: bool = False,
 ) -> None:
     """Refuse a request whose prompt plus completion budget exceeds the model's context length
-    (OpenAI's `context_length_exceeded`). The ingress and the engine both apply it."""
+    (OpenAI's `context_length_exceeded`). The ingress and the engine both apply it.
+
+    `prompt_at_least`: `prompt_tokens` is a lower bound known before tokenizing (a prompt of n
+    bytes has at least n / longest-token tokens), so the ingress can refuse a huge prompt without
+    scanning it; then `max_new_tokens` is 1, the least a request can ask for."""
     total = prompt_tokens + max_new_tokens
-    if total > context_length:
-        raise InvalidRequest(
-            f"This model's maximum context length is {context_length} tokens. However, you "
-            f"requested {total} tokens ({prompt_tokens} in the prompt, {max_new_tokens} for the "
-            "completion). Please reduce the prompt or the completion length.",
-            param,
-            code="context_length_exceeded",
+    if total <= context_length:
+        return
+    if prompt_at_least:
+        detail = f"your prompt is at least {prompt_tokens} tokens long. Please reduce the prompt."
+    else:
+        detail = (
+            f"you requested {total} tokens ({prompt_tokens} in the prompt, {max_new_tokens} for the "
+            "completion). Please reduce the prompt or the completion length."
         )
+    raise InvalidRequest(
+        f"This model's maximum context length is {context_length} tokens. However, {detail}",
+        param,
+        code="context_length_exceeded",
+    )
 
 
 # Temperatures below this sample greedily (as SGLang does): dividing logits by a tiny temperature

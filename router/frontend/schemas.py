@@ -196,14 +196,8 @@ def check_sequences(num_prompts: int, n: int) -> None:
 
 def check_prompt_fits(min_prompt_tokens: int, context_length: int, param: str) -> None:
     """Refuse a prompt known to be at least `min_prompt_tokens` long if that leaves no room for
-    one completion token (the same rule as `max_new_tokens`, decided before tokenizing)."""
-    if min_prompt_tokens + 1 > context_length:
-        raise InvalidRequest(
-            f"This model's maximum context length is {context_length} tokens. However, your prompt "
-            f"is at least {min_prompt_tokens} tokens long. Please reduce the prompt.",
-            param,
-            code="context_length_exceeded",
-        )
+    one completion token: the context-length rule, decided before tokenizing."""
+    check_context_length(min_prompt_tokens, 1, context_length, param, prompt_at_least=True)
 
 
 def max_new_tokens(requested: int | None, prompt_len: int, context_length: int, param: str) -> int:

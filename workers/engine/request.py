@@ -1,4 +1,5 @@
-"""One sequence being generated: plain counters and token lists, no tensors (STYLE rule 2)."""
+"""One sequence being generated: plain counters and token lists, no tensors (the scheduler
+and the prefix caches are torch-free bookkeeping: an import-linter contract)."""
 
 from __future__ import annotations
 
