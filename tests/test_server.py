@@ -665,7 +665,8 @@ def test_replica_death_is_a_generic_error_and_readiness_follows_it(url, http):
         assert s.status_code == 200
         lines = s.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        waiting = pool.submit(http.post, "/v1/completions", json=short)
+        # Answered only once the replacement is up (allowed 300 s below): wait as long for it.
+        waiting = pool.submit(http.post, "/v1/completions", json=short, timeout=360)
         deadline = time.monotonic() + 30
         while replica(http)["running"] < 2:
             assert time.monotonic() < deadline
