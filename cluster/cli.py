@@ -1,8 +1,11 @@
 """`radixserve serve ...`: start (or join) Ray, deploy the application, serve until a signal.
 
-On Ctrl-C or SIGTERM the application is torn down: Serve stops its replicas (their engines abort
-what is in flight and release their KV), and, when this command started Ray itself, the local Ray
-instance goes with it, so no process is left behind.
+On Ctrl-C or SIGTERM the server drains, then stops: every ingress replica stops taking requests
+(new ones get 503 `shutting_down`; /ready turns 503 too, so a load balancer moves on) while those
+in flight finish, for up to `--drain-timeout-s`; a second signal stops waiting. Then the
+application is torn down: Serve stops its replicas (their engines abort whatever is still in
+flight and release their KV), and, when this command started Ray itself, the local Ray instance
+goes with it, so no process is left behind.
 
 A Ray started here serves this machine only, so it listens on loopback only: its node IP is
 127.0.0.1 (Ray's single-machine mode, the one it uses on macOS and Windows), which puts GCS, the
@@ -38,6 +41,10 @@ AUTH_MODE_ENV = "RAY_AUTH_MODE"
 USAGE = """usage: radixserve serve [flags]   (radixserve serve --help lists them)
 
 Starts the OpenAI-compatible RadixServe server on Ray Serve."""
+
+
+DRAIN_POLL_S = 0.2
+DRAIN_CALL_TIMEOUT_S = 30.0
 
 
 class Interrupted(Exception):
@@ -85,7 +92,7 @@ def serve_forever(args: ServerArgs) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    started_ray = False
+    started_ray = serving = False
     # Serve's proxy reads its limits from the environment Ray starts its workers with.
     os.environ.update(proxy_environment(args.http))
     try:
@@ -96,6 +103,7 @@ def serve_forever(args: ServerArgs) -> int:
         started_ray = address is None
         serve.start(http_options=args.http.serve_http_options())
         serve.run(build(args), name=args.deployment.app_name, route_prefix="/")
+        serving = True
         print(
             f"RadixServe is ready at {args.url} ({args.deployment.dp} engine replica(s)); Ctrl-C stops it.",
             flush=True,
@@ -104,9 +112,41 @@ def serve_forever(args: ServerArgs) -> int:
             time.sleep(3600)
     except Interrupted as e:
         print(f"received {e}; shutting down", flush=True)
+        if serving:
+            drain(args.deployment.app_name, args.autoscale.drain_timeout_s)
         return 0
     finally:
         _teardown(args, started_ray)
+
+
+def drain(app_name: str, timeout_s: float) -> bool:
+    """Have every ingress replica of `app_name` refuse new requests, then wait until none has a
+    request in flight, for up to `timeout_s`; a signal stops the wait. True if all finished."""
+    from ray import serve
+
+    # Until now later signals were ignored; during the wait, one more means "stop now".
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    deadline = time.monotonic() + timeout_s
+    try:
+        handle = serve.get_app_handle(app_name)
+        while True:
+            answers = handle.broadcast("drain").results(
+                timeout_s=DRAIN_CALL_TIMEOUT_S, return_exceptions=True
+            )
+            left = sum(a for a in answers if isinstance(a, int))
+            if left == 0:
+                print("drained: no request in flight", flush=True)
+                return True
+            if time.monotonic() >= deadline:
+                print(f"{left} request(s) still in flight after {timeout_s:g}s; stopping", flush=True)
+                return False
+            time.sleep(DRAIN_POLL_S)
+    except Interrupted as e:
+        print(f"received {e} while draining; stopping now", flush=True)
+    except Exception:
+        logger.exception("draining failed; stopping now")
+    return False
 
 
 def _teardown(args: ServerArgs, started_ray: bool) -> None:

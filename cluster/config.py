@@ -101,7 +101,9 @@ class AutoscaleConfig:
     autoscale_downscale_delay_s: float = 600.0
     autoscale_look_back_s: float = 30.0  # Serve averages each replica's metrics over this window
     autoscale_metrics_interval_s: float = 10.0  # how often replicas push their metrics
-    drain_timeout_s: float = 300.0  # a replica being removed finishes its requests within this
+    drain_timeout_s: float = (
+        300.0  # a replica being removed (or a stopped server) finishes its requests within this
+    )
 
     def __post_init__(self) -> None:
         for role in ("", "prefill_", "decode_"):
@@ -246,8 +248,8 @@ HELP = {
     "margin) before one replica is removed",
     "autoscale_look_back_s": "autoscaling: window over which each replica's load is averaged",
     "autoscale_metrics_interval_s": "autoscaling: how often replicas report their load",
-    "drain_timeout_s": "a replica being removed stops taking requests and finishes those in flight "
-    "within this time",
+    "drain_timeout_s": "a replica being removed, or the server on SIGTERM / Ctrl-C, stops taking "
+    "requests and finishes those in flight within this time",
     "log_level": " | ".join(LOG_LEVELS),
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
     "ray_metrics_export_port": "port of Ray's Prometheus metrics (Serve's replicas, queues, autoscaling) "

@@ -41,3 +41,37 @@ def running_app(args: dict[str, Any], num_cpus: int = 2) -> Iterator[str]:
         ray.shutdown()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def assert_error_shape(body: Any, what: object = None) -> None:
+    """OpenAI's error body, exactly: {"error": {"message", "type", "param", "code"}}."""
+    assert isinstance(body, dict) and set(body) == {"error"}, (body, what)
+    err = body["error"]
+    assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, (body, what)
+    assert isinstance(err["message"], str) and err["message"], (body, what)
+    assert isinstance(err["type"], str) and err["type"], (body, what)
+    assert err["param"] is None or isinstance(err["param"], str), (body, what)
+    assert err["code"] is None or isinstance(err["code"], str), (body, what)
+
+
+def sse_events(text: str) -> list[str]:
+    """The `data:` payloads of a server-sent event stream, in order."""
+    return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def wait_idle(http: Any, kv_total: int, timeout: float = 30.0) -> list[dict]:
+    """Wait until every engine replica is idle, then check the KV pool's idle invariant: nothing
+    running, queued or locked, and every slot either free or evictable in the radix tree."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        replicas = http.get("/get_server_info").json()["replicas"]
+        if replicas and all(
+            r["running"] == 0 and r["queued"] == 0 and r["kv_protected"] == 0 for r in replicas
+        ):
+            for r in replicas:
+                assert r["kv_free"] + r["kv_evictable"] == r["kv_total"] == kv_total, r
+            return replicas
+        assert time.monotonic() < deadline, f"not idle after {timeout}s: {replicas}"
+        time.sleep(0.1)

@@ -96,6 +96,10 @@ def test_other_temperatures_sample(temperature):
         ({"seed": -(2**63) - 1}, "seed", f"'seed' must be in [{-(2**63)}, {2**64 - 1}]"),
         ({"seed": 2**64 - 3, "n": 4}, "seed", f"'seed' must be in [{-(2**63)}, {2**64 - 4}]"),
         ({"seed": 1.5}, "seed", "'seed' must be an integer"),
+        # JSON integers past float's range (native /generate keeps them as Python ints).
+        ({"temperature": 10**400}, "temperature", "'temperature' must be a finite number"),
+        ({"min_p": -(10**400)}, "min_p", "'min_p' must be a finite number"),
+        ({"logit_bias": {"1": 10**400}}, "logit_bias", "'logit_bias' must map token ids to numbers"),
     ],
 )
 def test_out_of_range_parameters_are_refused(params, param, message):

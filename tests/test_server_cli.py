@@ -45,11 +45,20 @@ def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
     raise AssertionError("server did not start:\n" + log.read_text()[-3000:])
 
 
+def family(proc: subprocess.Popen) -> list[int]:
+    """The command and every process it started (Ray's included), as of now."""
+    return [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+
+
 def stop(proc: subprocess.Popen, sig: int) -> None:
     """Signal the command; it must exit by itself, taking every process it started with it."""
-    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    pids = family(proc)
     proc.send_signal(sig)
     assert proc.wait(timeout=90) == 0
+    assert_gone(pids)
+
+
+def assert_gone(family: list[int]) -> None:
     deadline = time.monotonic() + 30
     while (
         alive := [
@@ -95,7 +104,65 @@ async def queue_limit_scenario(url: str) -> None:
         await asyncio.sleep(0.1)
 
 
-def test_cli_serves_queues_503_and_stops_on_sigterm(tmp_path):
+async def sigterm_under_load_scenario(proc: subprocess.Popen, url: str) -> None:
+    """SIGTERM with one request running and one queued (the limits are 1 and 1): both finish
+    with every token; from the signal on, new requests get 503 shutting_down until the server
+    is gone (then the connection is refused); the command exits 0 and leaves no process."""
+    tokens = 48
+    body = {"model": "smol", "prompt": "A story:", "max_tokens": tokens, "ignore_eos": True}
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+
+        async def streamed(started: asyncio.Event) -> dict:
+            async with c.stream("POST", "/v1/completions", json=stream_body) as r:
+                assert r.status_code == 200
+                events = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: ") :])
+                        started.set()
+            assert events[-1] == "[DONE]", events[-3:]
+            return json.loads(events[-2])["usage"]
+
+        async def whole() -> dict:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]
+
+        async def replica() -> dict:
+            return (await c.get("/get_server_info")).json()["replicas"][0]
+
+        started = asyncio.Event()
+        running = asyncio.create_task(streamed(started))
+        await asyncio.wait_for(started.wait(), 60)
+        queued = asyncio.create_task(whole())
+        deadline = time.monotonic() + 10
+        while (await replica())["queued"] != 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        pids = family(proc)
+        proc.send_signal(signal.SIGTERM)
+        seen: list[object] = []  # what a newcomer gets, in order, until the server is gone
+        while proc.poll() is None:
+            try:
+                r = await c.post("/v1/completions", json={**body, "max_tokens": 1}, timeout=10)
+                seen.append((r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None))
+            except httpx.TransportError:
+                seen.append("refused")
+            await asyncio.sleep(0.1)
+            assert len(seen) < 900, seen[-5:]
+        usages = await asyncio.gather(running, queued)
+    assert [u["completion_tokens"] for u in usages] == [tokens, tokens]
+    refused = [x for x in seen if x != "refused"]
+    # One newcomer may still slip in before the drain starts; once it has, every one is refused.
+    assert (503, "shutting_down") in refused and set(refused[refused.index((503, "shutting_down")) :]) == {
+        (503, "shutting_down")
+    }, seen
+    assert proc.wait(timeout=90) == 0
+    assert_gone(pids)
+
+
+def test_cli_serves_queues_503_and_drains_on_sigterm(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start(
@@ -148,9 +215,12 @@ def test_cli_serves_queues_503_and_stops_on_sigterm(tmp_path):
             (report,) = reports.values()
             assert (report["completed"], report["failed"], report["total_output_tokens"]) == (4, 0, 16)
             assert json.loads((tmp_path / "bench.json").read_text())["reports"]["server"]["model"] == "smol"
+        asyncio.run(sigterm_under_load_scenario(proc, url))
     finally:
-        stop(proc, signal.SIGTERM)
-    assert "RadixServe is ready at " + url in (tmp_path / "cli.log").read_text()
+        if proc.poll() is None:
+            stop(proc, signal.SIGTERM)
+    log = (tmp_path / "cli.log").read_text()
+    assert "RadixServe is ready at " + url in log and "drained: no request in flight" in log
 
 
 def test_serve_run_yaml_with_two_replicas_and_sigint(tmp_path):

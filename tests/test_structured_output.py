@@ -185,6 +185,40 @@ def test_bad_grammars_refused_and_engine_keeps_serving(engine, params, param_nam
     assert ok["meta_info"]["completion_tokens"] == 3 or ok["meta_info"]["finish_reason"]["type"] == "stop"
 
 
+@pytest.mark.parametrize(
+    "grammar,generated",
+    [
+        ('root ::= root "a"', 0),  # no string at all: a dead end before the first token
+        ('root ::= "b" x\nx ::= x "c"', 1),  # "b", then a rule that never ends
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammar_dead_end_is_the_requests_error_not_the_engines(engine, grammar, generated, stream):
+    """A grammar that compiles but leaves no token to sample is an InvalidRequest (a 400) for
+    that request only: never an EngineError (a 500), and a request batched with it finishes."""
+    import asyncio
+
+    failed_before = engine.stats()["num_failed_total"]
+    params = {"max_new_tokens": 6, "temperature": 0, "ebnf": grammar}
+    mate = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def dead_end():
+        if not stream:
+            return await engine.async_generate("x", params)
+        async for _ in await engine.async_generate("x", params, stream=True):
+            pass
+
+    async def both():
+        return await asyncio.gather(dead_end(), engine.async_generate("Hello", mate), return_exceptions=True)
+
+    err, ok = asyncio.run(both())
+    assert isinstance(err, InvalidRequest), err
+    assert (err.param, err.code) == ("ebnf", "grammar_dead_end")
+    assert f"after {generated} generated token(s)" in err.message
+    assert ok["meta_info"]["completion_tokens"] == 6
+    assert engine.stats()["num_failed_total"] == failed_before
+
+
 def test_engine_shutdown_stops_the_grammar_compile_workers():
     import psutil
 

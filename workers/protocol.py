@@ -74,6 +74,14 @@ MAX_REPETITION_PENALTY = 2.0
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
+def _finite(value: float) -> bool:
+    """math.isfinite, False (not OverflowError) for a JSON integer past float's range."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters, named as SGLang names them."""
@@ -123,7 +131,7 @@ class SamplingParams:
         if d.get("logit_bias") is not None:
             try:
                 d["logit_bias"] = {int(k): float(v) for k, v in dict(d["logit_bias"]).items()}
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
                 raise InvalidRequest("'logit_bias' must map token ids to numbers", "logit_bias") from None
         params = cls(**d)
         params.validate()
@@ -138,7 +146,7 @@ class SamplingParams:
 
         def number(name: str, value: Any, integer: bool = False) -> None:
             ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-            if not ok or isinstance(value, bool) or (not integer and not math.isfinite(value)):
+            if not ok or isinstance(value, bool) or (not integer and not _finite(value)):
                 bad(f"'{name}' must be {'an integer' if integer else 'a finite number'}", name)
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs"):

@@ -12,6 +12,10 @@ every malformed or invalid body is a 400 in OpenAI's shape; FastAPI's 422 handle
 for anything that still reaches it. Whatever a route raises is mapped by `errors.from_exception`
 (in `ContainErrors`): internals never reach a client.
 
+Shutdown: once the ingress drains (`Ingress.drain`, which `radixserve serve` calls when it is
+stopped), every route but /health, /metrics and /get_server_info answers 503 `shutting_down`,
+/ready included, while the requests already in flight finish.
+
 Health: `/health` is the HTTP server's liveness (200 while this process serves). Readiness means
 an engine can serve: `/ready` asks every engine replica for its stats and is 200 when at least one
 answers; `/health_generate` (SGLang's) runs a real one-token generation. Both answer 503 when no
@@ -51,6 +55,7 @@ if TYPE_CHECKING:
     from radixserve.router.frontend.ingress import Ingress
 
 AUTH_EXEMPT = frozenset({"/health", "/ready"})
+DRAIN_EXEMPT = frozenset({"/health", "/metrics", "/get_server_info"})
 VERSION = importlib.metadata.version("radixserve")
 READY_TIMEOUT_S = 5.0  # an engine replica that cannot report its stats in this time is not ready
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # a one-token generation behind a busy queue may take a while
@@ -91,6 +96,27 @@ class Guard:
             return message
 
         await self.app(scope, counted_receive, send)
+
+
+class Drain:
+    """ASGI middleware: counts the HTTP requests in flight on the ingress; once it drains (the
+    server is stopping), answers new ones with 503 `shutting_down`, except DRAIN_EXEMPT routes
+    (liveness, and the figures an operator watches a drain with)."""
+
+    def __init__(self, app: Any, ing: Ingress):
+        self.app = app
+        self.ing = ing
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.ing.draining and scope["path"] not in DRAIN_EXEMPT:
+            return await errors.shutting_down().response()(scope, receive, send)
+        self.ing.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.ing.in_flight -= 1
 
 
 class ContainErrors:
@@ -152,6 +178,7 @@ def add_error_handlers(app: FastAPI) -> None:
 def build_api(ing: Ingress) -> FastAPI:
     app = FastAPI(title="RadixServe", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, keys=ing.http.api_keys(), max_bytes=ing.http.max_request_bytes)
+    app.add_middleware(Drain, ing=ing)
     app.add_middleware(ContainErrors)  # outermost: it also sees what the Guard raises
     add_error_handlers(app)
     started = int(time.time())

@@ -109,6 +109,16 @@ def not_ready(reason: str) -> APIError:
     )
 
 
+def shutting_down() -> APIError:
+    return APIError(
+        503,
+        "The server is shutting down and takes no new requests; retry on another instance.",
+        type="server_error",
+        code="shutting_down",
+        headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+    )
+
+
 def internal(request_id: str) -> APIError:
     return APIError(
         500, f"Internal server error (request id {request_id})", type="server_error", code="internal_error"

@@ -96,6 +96,8 @@ class Ingress:
         key = state_key(replicas.deployment_id.app_name, replicas.deployment_id.name)
         self.routing = routing_state(key, config.policy)
         self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
+        self.draining = False  # set by `drain`; api.py's Drain then refuses new HTTP requests
+        self.in_flight = 0  # HTTP requests being served here (a stream until its last byte)
 
     def __serve_build_asgi_app__(self):
         from radixserve.router.frontend.api import build_api
@@ -194,6 +196,13 @@ class Ingress:
 
     async def abort(self, rid: str) -> bool:
         return any(await self._broadcast("abort", rid))
+
+    async def drain(self) -> int:
+        """Stop taking requests: from now on this replica answers new HTTP requests with 503
+        `shutting_down`. Returns how many it still serves; once that is 0 it stays 0.
+        `radixserve serve` calls it on every ingress replica before it stops the application."""
+        self.draining = True
+        return self.in_flight
 
 
 # Replica count, CPUs and requests in flight are set by cluster/app.py.

@@ -11,9 +11,10 @@ import xgrammar as xgr
 class Grammar:
     """One sequence's position in its grammar. Used from the engine thread only."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int]):
+    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int], vocab_size: int):
         self._matcher = matcher
         self._stop_token_ids = tuple(stop_token_ids)
+        self._vocab_size = vocab_size
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar does not allow it."""
@@ -27,6 +28,15 @@ class Grammar:
                 bitmask[row, token_id // 32] |= _bit(token_id % 32)
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def allows_any_token(self) -> bool:
+        """False at a dead end: nothing the grammar admits continues what it accepted so far (a
+        rule with no way to end, such as `root ::= root "a"`, is one from the start)."""
+        if self._matcher.is_terminated():
+            return bool(self._stop_token_ids)
+        bitmask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        self._matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens (jump-forward retokenization, speculation)."""
@@ -42,7 +52,7 @@ class Grammar:
 
     def copy(self) -> Grammar:
         """An independent matcher in the same state (for the n > 1 siblings of a request)."""
-        return Grammar(self._matcher.fork(), self._stop_token_ids)
+        return Grammar(self._matcher.fork(), self._stop_token_ids, self._vocab_size)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:

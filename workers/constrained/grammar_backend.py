@@ -280,7 +280,7 @@ class GrammarBackend:
 
     def new_matcher(self, compiled: CompiledGrammar) -> Grammar:
         """A fresh per-request matcher at the grammar's start."""
-        return Grammar(xgr.GrammarMatcher(compiled), self.stop_token_ids)
+        return Grammar(xgr.GrammarMatcher(compiled), self.stop_token_ids, self.vocab_size)
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
         """int32 [batch_size, ceil(vocab_size / 32)], bit set = token allowed. Reuse it per step."""

@@ -52,7 +52,7 @@ from radixserve.workers.mem_cache.prefix_cache import NullCache
 from radixserve.workers.mem_cache.radix_cache import RadixCache
 from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.workers.models.loader import load_model
-from radixserve.workers.protocol import EngineError, EngineLoad, GenerateRequest
+from radixserve.workers.protocol import EngineError, EngineLoad, GenerateRequest, InvalidRequest
 from radixserve.workers.sampling.sampler import Sampler
 
 logger = logging.getLogger("radixserve.engine")
@@ -338,6 +338,8 @@ class EngineCore:
             try:
                 self.worker.check_fault("tokens", req)
                 self.outputs.append_sampled(req, job.tokens[k], job.logprobs[k] if job.logprobs else None)
+            except InvalidRequest as exc:  # the request's own grammar led nowhere: a 400, not a 500
+                self.inflight.fail(req.rid, exc, out)
             except Exception as exc:
                 self.inflight.fail(req.rid, EngineError(f"appending a sampled token failed: {exc!r}"), out)
 

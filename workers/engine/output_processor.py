@@ -15,7 +15,20 @@ from typing import Any
 
 from radixserve.workers.constrained.grammar import jump_forward_tokens
 from radixserve.workers.engine.request import Req
-from radixserve.workers.protocol import OutputChunk, TokenLogprob
+from radixserve.workers.protocol import InvalidRequest, OutputChunk, TokenLogprob
+
+
+def dead_end(req: Req) -> InvalidRequest:
+    """The error of a request whose grammar admits no next token (and has not ended)."""
+    kind = next(
+        (k for k in ("json_schema", "regex", "ebnf") if getattr(req.params, k) is not None), "grammar"
+    )
+    return InvalidRequest(
+        f"the {kind} admits no continuation after {len(req.output_ids)} generated token(s): no string it "
+        "matches starts with the output so far (a rule that can never end?)",
+        kind,
+        code="grammar_dead_end",
+    )
 
 
 class PendingOutput:
@@ -82,6 +95,8 @@ class OutputProcessor:
         """Record one sampled token and finish the sequence if a token-level stop condition holds.
         The token's text is produced later, by `detokenize`."""
         if req.grammar is not None and not accepted and not req.grammar.accept_token(token):
+            if not req.grammar.allows_any_token():
+                raise dead_end(req)  # the sampler had nothing to choose from: the grammar's fault
             raise RuntimeError(f"sampled token {token} violates the request's grammar")
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
