@@ -110,8 +110,8 @@ class Engine:
         reqs = self.core.make_reqs(request)  # validates; raises InvalidRequest
         limit = self.config.max_queued_requests
         with self._lock:
-            if self._failure is not None:
-                raise EngineError(f"the engine has stopped: {self._failure}")
+            if (failure := self._stopped_by()) is not None:
+                raise EngineError(f"the engine has stopped: {failure}")
             if request.rid in self._streams:
                 raise InvalidRequest(f"request id {request.rid!r} is already in use", "rid")
             if limit is not None:
@@ -177,10 +177,15 @@ class Engine:
     def check_health(self) -> None:
         """Raise EngineError if the engine can no longer serve: its loop ended without a
         shutdown (a tensor-parallel rank died, say)."""
-        if self._failure is not None:
-            raise EngineError(f"the engine has stopped: {self._failure}")
+        if (failure := self._stopped_by()) is not None:
+            raise EngineError(f"the engine has stopped: {failure}")
         if not self._stopped and not self._thread.is_alive():
             raise EngineError("the engine loop is not running")
+
+    def _stopped_by(self) -> str | None:
+        # The group's failure is known (to any thread) as soon as a step finds it, a moment
+        # before the loop sees it and stops.
+        return self._failure or self.core.rank_failed()
 
     def shutdown(self) -> None:
         if self._stopped:

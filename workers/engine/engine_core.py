@@ -159,6 +159,10 @@ class EngineCore:
         """Sequences in the running batch."""
         return len(self.scheduler.running)
 
+    def rank_failed(self) -> str | None:
+        """Thread-safe: the failure that ended the tensor-parallel group, once one has."""
+        return self.tp.failure
+
     def has_work(self) -> bool:
         return (
             self.scheduler.has_work() or bool(self.grammars) or self._prev is not None or bool(self._outbox)

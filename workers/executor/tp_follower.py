@@ -53,7 +53,9 @@ class FollowerSpec:
     port: int
     world_size: int
     ep_size: int
-    model_dir: str  # the resolved local checkpoint directory (converted once, by rank 0)
+    # As rank 0 got it: each rank resolves it on its own node (rank 0 has converted a GGUF into
+    # its node's cache first, so ranks beside it find it there).
+    model_path: str | None
     dtype: str | None
     attention_backend: str
     num_threads: int
@@ -90,7 +92,7 @@ def follow(rank: int, spec: FollowerSpec) -> None:
 
 def _load(spec: FollowerSpec, group: CommGroup, store: dist.Store) -> tuple[torch.nn.Module, KVPool]:
     parallel = Parallel(ParallelConfig(spec.world_size, spec.ep_size), group)
-    loaded = load_model(spec.model_dir, spec.dtype, spec.attention_backend, parallel=parallel)
+    loaded = load_model(spec.model_path, spec.dtype, spec.attention_backend, parallel=parallel)
     layout = json.loads(store.get(POOL_KEY))  # waits: rank 0 publishes it once its own pool is sized
     mc = loaded.config
     pool = KVPool(

@@ -109,7 +109,7 @@ class TPLeader:
             port=store.port,
             world_size=config.tp_size,
             ep_size=config.ep_size,
-            model_dir=str(model_dir),
+            model_path=model_path,
             dtype=str(mc.dtype).removeprefix("torch."),
             attention_backend=attention_backend,
             num_threads=threads,
@@ -210,8 +210,8 @@ class TPLeader:
                 logger.warning("telling the tensor-parallel ranks to stop failed", exc_info=True)
         wait = JOIN_TIMEOUT_S if self.failure is None else 0.0
         for h in self.handles:
-            if not h.join(wait):
-                h.kill()
+            h.join(wait)
+            h.kill()  # a straggler; or an actor whose call returned, so that its bundle frees
         self.group.destroy()
 
 
