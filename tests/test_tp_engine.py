@@ -111,6 +111,8 @@ TINY_PROMPTS = ["Hello there", "A somewhat longer prompt, of more tokens than a 
 def test_tiny_tp2_equals_tp1(tiny_even):
     ref = _greedy(tiny_even, TINY_PROMPTS)
     assert _greedy(tiny_even, TINY_PROMPTS, tp_size=2, chunked_prefill_size=8) == ref
+    # Overlap mode: the broadcasts and forwards run on the forward thread, keepalives between steps.
+    assert _greedy(tiny_even, TINY_PROMPTS, tp_size=2, enable_overlap=True) == ref
 
 
 def test_tiny_moe_ep2_equals_ep1(tmp_path):

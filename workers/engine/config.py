@@ -44,7 +44,7 @@ class EngineConfig:
     enable_overlap: bool | None = None  # None = DEFAULT_OVERLAP
     attention_backend: str = "auto"
     random_seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads (of each rank); None = all cores / tp_size
+    num_threads: int | None = None  # torch threads of each rank; None: all cores (a rank: its share)
     # Tensor parallelism: tp_size ranks run every forward, each with its shard of the model and a
     # KV pool of its own heads; rank 0 (this engine) schedules. ep_size spreads a MoE model's
     # experts over them (it divides tp_size). The model's layout is checked at start-up.
