@@ -94,12 +94,19 @@ def test_abort_frees_the_kv(http):
 
 
 def test_a_killed_rank_takes_its_replica_down_and_serve_replaces_it(url, http):
-    """ray.kill of rank 1: rank 0's engine stops with the rank's name, the replica's health check
-    fails, Serve replaces the replica (with a rank 1 of its own), and requests are served again."""
+    """ray.kill of rank 1: rank 0's engine stops with the rank's name, /ready answers 503, the
+    replica's health check fails, Serve replaces the replica (with a rank 1 of its own), and
+    requests are served again."""
     old = replica(http)["replica_id"]
     ((namespace, name),) = rank_actors()
     assert old in name
     ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    with httpx.Client(base_url=url, timeout=60) as anon:
+        # Rank 0 stops at once: no replica is ready until Serve's replacement is.
+        deadline = time.monotonic() + 60
+        while anon.get("/ready").status_code != 503:
+            assert time.monotonic() < deadline, "the replica still counts as ready"
+            time.sleep(0.2)
     deadline = time.monotonic() + 420
     new = old
     while new == old:

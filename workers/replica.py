@@ -114,6 +114,7 @@ class EngineReplica:
         ).to_dict()
 
     async def stats(self) -> dict[str, Any]:
+        self.engine.check_health()  # a stopped engine is no replica to count (/ready) until replaced
         s = self.engine.replica_stats()
         s.replica_id = self.replica_id
         return s.to_dict()
