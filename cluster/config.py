@@ -20,13 +20,18 @@ from radixserve.router.frontend.config import LOG_LEVELS, HTTPConfig, IngressCon
 from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
 from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
 
+# --tp-placement -> the placement group strategy of a tensor-parallel replica's bundles.
+TP_PLACEMENTS = {"strict_pack": "STRICT_PACK", "pack": "PACK"}
+# Short names, as SGLang spells them (`--tp 2`), for the fields they stand for.
+ALIASES = {"dp_size": "dp", "tp": "tp_size", "ep": "ep_size"}
+
 
 @dataclass(frozen=True)
 class DeploymentConfig:
     """How the Serve application is laid out on the Ray cluster."""
 
     dp: int = 1  # engine replicas
-    replica_num_cpus: float | None = None  # Ray CPUs per engine replica; None: a node's share
+    replica_num_cpus: float | None = None  # Ray CPUs per engine replica (per rank); None: a node's share
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.0  # the ingress is I/O bound; it must not starve the engines
     # Serve's cap on one replica's requests in flight, ingress and engine replicas alike. The
@@ -35,10 +40,15 @@ class DeploymentConfig:
     app_name: str = "radixserve"
     ray_address: str | None = None  # None: RAY_ADDRESS or a new local instance
     ray_metrics_export_port: int | None = None  # a Ray this command starts: its metrics port
+    # Where a tensor-parallel replica's ranks go (one placement group bundle each): all on one
+    # node (strict_pack), or packed but free to span nodes (pack).
+    tp_placement: str = "strict_pack"
 
     def __post_init__(self) -> None:
         if self.dp < 1:
             raise ValueError("dp must be >= 1")
+        if self.tp_placement not in TP_PLACEMENTS:
+            raise ValueError(f"tp_placement must be one of {tuple(TP_PLACEMENTS)}, got {self.tp_placement!r}")
         if self.ingress_replicas < 1:
             raise ValueError("ingress_replicas must be >= 1")
         if self.max_ongoing_requests < 1:
@@ -151,8 +161,9 @@ class ServerArgs:
     def from_dict(cls, d: dict[str, Any] | None = None) -> ServerArgs:
         """Build from one flat dict of field names (hyphens allowed); unknown names are an error."""
         flat = {str(k).replace("-", "_"): v for k, v in (d or {}).items()}
-        if "dp_size" in flat:
-            flat["dp"] = flat.pop("dp_size")
+        for alias, name in ALIASES.items():
+            if alias in flat:
+                flat[name] = flat.pop(alias)
         owner = {f.name: layer for layer, c in LAYERS.items() for f in dataclasses.fields(c)}
         unknown = sorted(set(flat) - set(owner))
         if unknown:
@@ -225,10 +236,15 @@ HELP = {
     "keep_alive_timeout_s": "idle keep-alive connections are closed after this",
     "tokenizer_threads": "threads that tokenize prompts and render chat templates (off the event loop)",
     "dp": "number of engine replicas (data parallel)",
+    "tp_size": "tensor parallelism: ranks per engine replica, each with its shard of the model and its "
+    "own KV heads (a placement group of one bundle per rank)",
+    "ep_size": "expert parallelism: a MoE model's experts spread over this many groups of the "
+    "replica's ranks (divides --tp)",
+    "tp_placement": "strict_pack (a replica's ranks on one node) | pack (packed, may span nodes)",
     "max_ongoing_requests": "Serve's cap on one replica's requests in flight (keep it above the engine's "
     "running + queued limits)",
-    "replica_num_cpus": "Ray CPUs per engine replica, also its torch threads (default: the smallest "
-    "node's CPUs split among the replicas it must hold)",
+    "replica_num_cpus": "Ray CPUs per engine replica (per rank with --tp), also its torch threads "
+    "(default: the smallest node's CPUs split among the replicas' ranks it must hold)",
     "min_replicas": "autoscaling: fewest engine replicas (autoscaling is on when --max-replicas exceeds "
     "it; --dp is then the initial count)",
     "max_replicas": "autoscaling: most engine replicas",
@@ -279,7 +295,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(layer)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            names = [flag, "--dp-size"] if f.name == "dp" else [flag]
+            names = [flag] + ["--" + a.replace("_", "-") for a, n in ALIASES.items() if n == f.name]
             kind = _value_type(str(f.type))  # annotations are strings (postponed evaluation)
             help_text = HELP.get(f.name, "")
             if kind is bool:
@@ -291,6 +307,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                     "schedule_policy": SCHEDULE_POLICIES,
                     "log_level": LOG_LEVELS,
                     "router_policy": POLICY_NAMES,
+                    "tp_placement": tuple(TP_PLACEMENTS),
                 }.get(f.name)
                 group.add_argument(
                     *names,

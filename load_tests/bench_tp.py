@@ -11,6 +11,11 @@
 2. A small Qwen3-MoE (8 experts, top-2): EP=2 (each rank 4 experts) and TP=2 EP=1 (each rank
    half of every expert) against EP=1, the same steps.
 
+3. `--engine`: the same comparison through the offline Engine (scheduler, sampler, the batch
+   broadcast to the following ranks included): TP=2 (rank 0 here, rank 1 a local process, one
+   thread each) against TP=1 on one thread and on two; 16 sequences decoding 64 tokens each, and
+   8 prompts of 256 tokens prefilled (one token sampled), with rank 0's time in collectives.
+
 On a 2-core machine TP cannot pay: TP=2 and TP=1 on two threads use the same two cores, and TP
 adds the collectives. The point here is what they cost; the correctness is tests/test_tp.py's.
 Two threads in one OpenMP team are at the mercy of the neighbours: every parallel region waits
@@ -139,12 +144,65 @@ def _print(label: str, res: dict) -> None:
         )
 
 
+def engine_figures(tp: int, threads: int) -> dict:
+    """Decode tokens/s and prefill tokens/s of the offline Engine, and rank 0's collectives."""
+    from radixserve.workers import Engine
+
+    engine = Engine(
+        tp_size=tp, num_threads=threads, max_total_tokens=16384, disable_radix_cache=True, random_seed=0
+    )
+    try:
+        gen = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in [32] * 16 + [256] * 8]
+        decode, prefill = prompts[:16], prompts[16:]
+        engine.generate(input_ids=decode[:2], sampling_params={"max_new_tokens": 4})  # warm-up
+        group = engine.core.tp.group
+        res = {}
+        for name, ids, new in (("decode", decode, 64), ("prefill", prefill, 1)):
+            group.stats.reset()
+            start = time.perf_counter()
+            engine.generate(input_ids=ids, sampling_params={"max_new_tokens": new, "ignore_eos": True})
+            wall = time.perf_counter() - start
+            tokens = len(ids) * new if name == "decode" else sum(map(len, ids))
+            res[name] = {
+                "tokens_per_s": tokens / wall,
+                "wall_s": wall,
+                "collective_s": sum(group.stats.seconds.values()),
+                "collective_calls": sum(group.stats.calls.values()),
+            }
+        return res
+    finally:
+        engine.shutdown()
+
+
+def run_engines() -> dict:
+    res = {}
+    for label, tp, threads in (("TP=1 (1 thr)", 1, 1), ("TP=1 (2 thr)", 1, 2), ("TP=2 (2x1 thr)", 2, 1)):
+        res[f"engine {label}"] = r = engine_figures(tp, threads)
+        for step in ("decode", "prefill"):
+            x = r[step]
+            print(
+                f"engine {label:16s} {step:7s} {x['tokens_per_s']:8.1f} tok/s  wall {x['wall_s']:6.2f} s  "
+                f"collectives {x['collective_s']:6.2f} s ({x['collective_calls']} calls, "
+                f"{100 * x['collective_s'] / x['wall_s']:4.1f}%)",
+                flush=True,
+            )
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--engine", action="store_true", help="through the offline Engine instead")
     args = ap.parse_args(argv)
     res: dict = {}
+    if args.engine:
+        res = run_engines()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+        return 0
     layouts = [("TP=1 (1 thr)", 1, 1, 1), ("TP=1 (2 thr)", 1, 1, 2), ("TP=2 (2x1 thr)", 2, 1, 1)]
     for label, tp, ep, threads in layouts:
         res[f"default {label}"] = run_layout(None, tp, ep, args.repeats, threads)

@@ -60,8 +60,13 @@ class EngineReplica:
         from radixserve.workers.engine.engine import Engine  # heavy: torch + the model
 
         self.config = config
-        self.engine = Engine(**dataclasses.asdict(config))
         self.replica_id = _replica_id()
+        launcher = None
+        if config.tp_size > 1:  # ranks 1..tp_size-1: actors in this replica's placement group
+            from radixserve.workers.rank_actor import RayLauncher
+
+            launcher = RayLauncher(f"EngineRank::{self.replica_id}")
+        self.engine = Engine(**dataclasses.asdict(config), rank_launcher=launcher)
         logger.info("engine replica %s ready: %s", self.replica_id, self.engine.served_model_name)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -91,6 +96,11 @@ class EngineReplica:
             if not finished:
                 self.engine.abort(req.rid)
 
+    def check_health(self) -> None:
+        """Serve's health check: raises once the engine has stopped on its own (a tensor-parallel
+        rank died), so that Serve replaces this replica."""
+        self.engine.check_health()
+
     async def model_card(self) -> dict[str, Any]:
         cfg = self.engine.model_config
         return ModelCard(
@@ -104,6 +114,7 @@ class EngineReplica:
         ).to_dict()
 
     async def stats(self) -> dict[str, Any]:
+        self.engine.check_health()  # a stopped engine is no replica to count (/ready) until replaced
         s = self.engine.replica_stats()
         s.replica_id = self.replica_id
         return s.to_dict()

@@ -106,6 +106,16 @@ class ParallelConfig:
         """A rank's place in its expert group: which slice of each expert it holds."""
         return tp_rank % self.moe_tp_size
 
+    def check_model(self, num_heads: int, num_kv_heads: int, num_experts: int) -> None:
+        """Raise ValueError, before any rank is started, if a model with these heads and experts
+        (0: a dense model) has no layout over these sizes."""
+        for rank in range(self.tp_size):
+            HeadSplit.of(num_heads, num_kv_heads, self.tp_size, rank)
+        if self.ep_size > 1 and not num_experts:
+            raise ValueError(f"ep_size {self.ep_size} needs a mixture-of-experts model; this one is dense")
+        if num_experts:
+            self.experts(num_experts, 0)
+
     def experts(self, num_experts: int, tp_rank: int) -> range:
         """The expert ids whose (slices of) weights rank `tp_rank` holds."""
         if num_experts < self.ep_size:

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.workers.distributed.parallel import ParallelConfig
 from radixserve.workers.mem_cache.radix_cache import EVICTION_POLICIES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
@@ -43,7 +44,12 @@ class EngineConfig:
     enable_overlap: bool | None = None  # None = DEFAULT_OVERLAP
     attention_backend: str = "auto"
     random_seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; None = all cores
+    num_threads: int | None = None  # torch threads of each rank; None: all cores (a rank: its share)
+    # Tensor parallelism: tp_size ranks run every forward, each with its shard of the model and a
+    # KV pool of its own heads; rank 0 (this engine) schedules. ep_size spreads a MoE model's
+    # experts over them (it divides tp_size). The model's layout is checked at start-up.
+    tp_size: int = 1
+    ep_size: int = 1
     grammar_compile_timeout_s: float = 10.0
     enable_jump_forward: bool = True  # append grammar-forced tokens without a decode step each
     stream_interval: int = 1  # stream every N tokens
@@ -75,6 +81,11 @@ class EngineConfig:
             raise ValueError("max_queued_requests must be >= 1 (unset for no limit)")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        ParallelConfig(self.tp_size, self.ep_size)  # raises for sizes without a layout
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tp_size, self.ep_size)
 
     @classmethod
     def from_kwargs(cls, model_path: str | None = None, **kwargs: Any) -> EngineConfig:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
+from radixserve.workers.distributed.launch import RankLauncher
 from radixserve.workers.engine.commands import (
     AbortRequest,
     AddRequest,
@@ -30,6 +31,7 @@ from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.engine_core import EngineCore
 from radixserve.workers.executor.cpu_runtime import on_short_lived_thread
 from radixserve.workers.protocol import (
+    EngineError,
     EngineLoad,
     GenerateRequest,
     InvalidRequest,
@@ -77,9 +79,13 @@ class RequestStream:
 class Engine:
     """The public offline API (SGLang's shape): `Engine(model_path=None, **server_args)`."""
 
-    def __init__(self, model_path: str | None = None, **kwargs: Any):
+    def __init__(
+        self, model_path: str | None = None, *, rank_launcher: RankLauncher | None = None, **kwargs: Any
+    ):
+        """`rank_launcher`: how ranks 1..tp_size-1 start (default: local processes; a replica
+        passes Ray actors in its placement group)."""
         self.config = EngineConfig.from_kwargs(model_path, **kwargs)
-        self.core = on_short_lived_thread(EngineCore, self.config)
+        self.core = on_short_lived_thread(EngineCore, self.config, rank_launcher)
         self.tokenizer = self.core.tokenizer
         self.model_config = self.core.model_config
         self.served_model_name = self.core.served_model_name
@@ -88,6 +94,7 @@ class Engine:
         self._open_sequences = 0  # of the streams: sequences whose final chunk has not been sent
         self._lock = threading.Lock()
         self._stopped = False
+        self._failure: str | None = None  # why the engine stopped serving on its own (a rank died)
         self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
         self._thread.start()
 
@@ -103,6 +110,8 @@ class Engine:
         reqs = self.core.make_reqs(request)  # validates; raises InvalidRequest
         limit = self.config.max_queued_requests
         with self._lock:
+            if (failure := self._stopped_by()) is not None:
+                raise EngineError(f"the engine has stopped: {failure}")
             if request.rid in self._streams:
                 raise InvalidRequest(f"request id {request.rid!r} is already in use", "rid")
             if limit is not None:
@@ -164,6 +173,19 @@ class Engine:
         return ReplicaStats(
             **{k: v for k, v in self.core.stats().items() if k in ReplicaStats.__dataclass_fields__}
         )
+
+    def check_health(self) -> None:
+        """Raise EngineError if the engine can no longer serve: its loop ended without a
+        shutdown (a tensor-parallel rank died, say)."""
+        if (failure := self._stopped_by()) is not None:
+            raise EngineError(f"the engine has stopped: {failure}")
+        if not self._stopped and not self._thread.is_alive():
+            raise EngineError("the engine loop is not running")
+
+    def _stopped_by(self) -> str | None:
+        # The group's failure is known (to any thread) as soon as a step finds it, a moment
+        # before the loop sees it and stops.
+        return self._failure or self.core.rank_failed()
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -244,7 +266,17 @@ class Engine:
             except Exception as exc:  # a bug outside any request's own work: fail them all loudly
                 logger.exception("engine step failed")
                 self._deliver(self.core.fail_all(f"internal engine error: {exc!r}"))
-        self._deliver(self.core.fail_all("engine shut down"))
+            failure = self.core.rank_failure()
+            if failure is not None:
+                logger.error("the engine stops: %s", failure)
+                with self._lock:
+                    self._failure = failure
+                break
+        message = "engine shut down" if self._failure is None else f"the engine has stopped: {self._failure}"
+        self._deliver(self.core.fail_all(message))
+        with self._lock:  # submitted, but never seen by the loop (still in the inbox)
+            unanswered = [(rid, EngineError(message)) for rid in self._streams]
+        self._deliver(unanswered)
         self.core.close()
 
     def _drain_inbox(self, timeout: float | None) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from radixserve.workers.distributed.launch import RankLauncher
 from radixserve.workers.engine.commands import (
     AbortRequest,
     AddRequest,
@@ -46,6 +47,7 @@ from radixserve.workers.executor.cpu_runtime import tune_malloc
 from radixserve.workers.executor.forward_worker import ForwardJob, ForwardWorker
 from radixserve.workers.executor.model_runner import ModelRunner
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
+from radixserve.workers.executor.tp_leader import TPLeader
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.mem_cache.memory import max_tokens_for_memory
 from radixserve.workers.mem_cache.prefix_cache import NullCache
@@ -65,29 +67,41 @@ GRAMMAR_POLL_S = 0.002  # while only grammar compiles are pending
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank_launcher: RankLauncher | None = None):
+        """`rank_launcher` starts the other ranks at tp_size > 1 (default: local processes)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         tune_malloc()
-        loaded = load_model(
+        dtype = None if config.dtype == "auto" else config.dtype
+        self.tp = TPLeader.start(
+            config.parallel,
             config.model_path,
-            dtype=None if config.dtype == "auto" else config.dtype,
-            attention_backend=config.attention_backend,
+            dtype,
+            config.attention_backend,
+            config.num_threads,
+            rank_launcher,
         )
-        self.model_config = mc = loaded.config
+        try:
+            loaded = load_model(config.model_path, dtype, config.attention_backend, parallel=self.tp.parallel)
+            mc = loaded.config
+            self.pool = KVPool(
+                mc.num_layers,
+                loaded.local_kv_heads,
+                mc.head_dim,
+                self._pool_tokens(loaded),
+                dtype=mc.dtype,
+                page_size=config.page_size,
+            )
+            self.tp.share_pool(self.pool.size, config.page_size)
+        except BaseException as exc:
+            self.tp.abort(f"rank 0 failed to start: {exc}")
+            raise
+        self.model_config = mc
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.model_path
         self.served_model_name = config.served_model_name or loaded.name
         self.context_length = config.context_cap(mc.context_length)
-        self.pool = KVPool(
-            mc.num_layers,
-            mc.num_kv_heads,
-            mc.head_dim,
-            self._pool_tokens(loaded),
-            dtype=mc.dtype,
-            page_size=config.page_size,
-        )
         self.req_pool = ReqToTokenPool(config.max_running_requests + 1, self.context_length + 1)
         self.cache = (
             NullCache(self.pool, page_size=config.page_size)
@@ -97,7 +111,7 @@ class EngineCore:
             )
         )
         self.scheduler = Scheduler(config, self.pool, self.req_pool, self.cache)
-        self.runner = ModelRunner(loaded.model, self.pool, self.req_pool)
+        self.runner = ModelRunner(self.tp.wrap(loaded.model), self.pool, self.req_pool)
         self.vocab_size = len(self.tokenizer)
         self.sampler = Sampler(self.vocab_size, mc.eos_token_ids, seed=config.random_seed)
         self.outputs = OutputProcessor(
@@ -130,7 +144,8 @@ class EngineCore:
         if self.config.max_total_tokens:
             return self.config.max_total_tokens
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
+        heads = loaded.local_kv_heads  # this rank's share: each rank sizes its own memory
+        per_token = KVPool.bytes_per_token(mc.num_layers, heads, mc.head_dim, mc.dtype)
         fraction = self.config.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
         return max_tokens_for_memory(fraction, weight_bytes, per_token)
 
@@ -143,6 +158,10 @@ class EngineCore:
     def num_running(self) -> int:
         """Sequences in the running batch."""
         return len(self.scheduler.running)
+
+    def rank_failed(self) -> str | None:
+        """Thread-safe: the failure that ended the tensor-parallel group, once one has."""
+        return self.tp.failure
 
     def has_work(self) -> bool:
         return (
@@ -212,6 +231,11 @@ class EngineCore:
         if self.inflight or self.scheduler.has_work():  # inflight: a request still owes a chunk
             return False
         return bool(self.cache.reset())
+
+    def rank_failure(self) -> str | None:
+        """Between steps: why the tensor-parallel group can no longer serve, or None (always at
+        tp_size 1). Sends the idle group its keepalives."""
+        return self.tp.poll()
 
     def idle_timeout(self) -> float | None:
         """How long the loop may block for new commands: not at all while there is work."""
@@ -391,6 +415,7 @@ class EngineCore:
     def close(self) -> None:
         self.worker.close()
         self.grammars.close()
+        self.tp.stop()
 
 
 def _answer(fut: Future, fn: Callable[[], Any]) -> None:

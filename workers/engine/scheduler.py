@@ -8,13 +8,15 @@ returns a plan; the model runner turns the plan into tensors.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.schedule_policy import InBatchDedup, SchedulePolicy, match_key
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.protocol import EngineLoad
+
+if TYPE_CHECKING:  # annotations only: the config's module reaches torch through the parallel layout
+    from radixserve.workers.engine.config import EngineConfig
 
 # Memory reserved for the future tokens of running requests is an estimate: each running request
 # is assumed to need `ratio * min(remaining max_new_tokens, CLIP)` more slots. The ratio decays

@@ -61,12 +61,22 @@ class ForwardBatch:
 
 
 _STOP = -1  # the header's mode when the scheduling rank ends the followers' loop
+_KEEPALIVE = -2  # a header with no batch: the scheduling rank is idle, but alive
+
+
+def broadcast_keepalive(group: CommGroup) -> None:
+    """From the scheduling rank (0) while it has no batch to send: the followers, waiting in
+    `broadcast_batch`, see it and wait again. Sent often enough, it keeps their wait under the
+    group's collective timeout, so that only a rank that is gone or stuck times them out."""
+    if group.world_size > 1:
+        group.broadcast(torch.tensor([_KEEPALIVE, 0, 0, 0], dtype=torch.int64, device=group.device))
 
 
 def broadcast_batch(group: CommGroup, batch: ForwardBatch | None = None, src: int = 0) -> ForwardBatch | None:
     """Rank `src`'s batch on every rank of `group`: two broadcasts (the sizes, then one int64 tensor
     of every field; the tensors land on the group's device). The other ranks pass nothing; `src`
-    passing None tells them to stop (they get None):
+    passing None tells them to stop (they get None); keepalives (`broadcast_keepalive`) between
+    batches are consumed here:
 
         while (batch := broadcast_batch(group)) is not None:   # a following rank's loop
             model(batch, kv_pool)
@@ -78,6 +88,9 @@ def broadcast_batch(group: CommGroup, batch: ForwardBatch | None = None, src: in
         mode = list(ForwardMode).index(batch.mode)
         header.copy_(torch.tensor([mode, batch.batch_size, batch.num_tokens, batch.kv_indices.shape[1]]))
     mode, b, t, width = group.broadcast(header, src).tolist()
+    while mode == _KEEPALIVE and group.rank != src:
+        header.fill_(_STOP)
+        mode, b, t, width = group.broadcast(header, src).tolist()
     if mode == _STOP:
         return None
     sizes = [t, t, t, b, b, b * width, b]  # input_ids, positions, out_slots, seq_lens, extend, kv, logits

@@ -71,6 +71,14 @@ class LoadedModel:
     model_path: str  # resolved local directory
     name: str  # default served model name
 
+    @property
+    def local_kv_heads(self) -> int:
+        """The KV heads this rank's shard holds (all of them without tensor parallelism): what
+        its KV pool holds."""
+        heads = self.model.local_kv_heads
+        assert isinstance(heads, int), "every decoder class records its shard's KV heads"
+        return heads
+
 
 @functools.lru_cache(maxsize=1)
 def default_dtype() -> torch.dtype:

@@ -1,0 +1,106 @@
+"""A following rank of a tensor-parallel engine: its shard of the model and its KV pool, running
+whatever batch the scheduling rank (rank 0) broadcasts, until rank 0 says stop.
+
+    follow(rank, spec)   # in the rank's own process (a spawned process, a Ray actor)
+
+Start-up goes through the TCPStore that rank 0 serves (spec.host, spec.port), so that rank 0 can
+tell a rank that is still loading from one that failed or died: the rank announces it has joined,
+joins the group, loads its shard, reads the pool layout rank 0 publishes (slot count and page
+size), allocates its pool and announces it is ready; a failure on the way is published with its
+message. Then it loops on `broadcast_batch`. A collective that fails (rank 0 gone, or silent past
+the group's timeout: rank 0 sends keepalives while idle) ends the loop and the process.
+
+The follower holds no allocator state: its KVPool has the slot count of rank 0's and this rank's
+own KV heads, but it never allocates or frees a slot. Which slots a batch reads and writes comes
+with the batch; the free lists, the radix tree and the request table that decide them live on
+rank 0 only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from radixserve.workers.distributed.group import CommGroup
+from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
+from radixserve.workers.executor.cpu_runtime import tune_malloc
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.models.forward_batch import broadcast_batch
+from radixserve.workers.models.loader import load_model
+
+logger = logging.getLogger("radixserve.engine")
+
+POOL_KEY = "tp/pool"  # rank 0's pool layout, JSON: {"num_slots": ..., "page_size": ...}
+
+
+def rank_key(stage: str, rank: int) -> str:
+    """The store key a rank sets at a stage of its start-up: joined, ready, failed."""
+    return f"tp/{stage}/{rank}"
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """What every following rank needs to start (picklable: it crosses to spawned processes and
+    Ray actors)."""
+
+    host: str  # rank 0's store
+    port: int
+    world_size: int
+    ep_size: int
+    # As rank 0 got it: each rank resolves it on its own node (rank 0 has converted a GGUF into
+    # its node's cache first, so ranks beside it find it there).
+    model_path: str | None
+    dtype: str | None
+    attention_backend: str
+    num_threads: int
+    start_timeout_s: float
+    step_timeout_s: float  # the group's collective timeout
+
+
+def follow(rank: int, spec: FollowerSpec) -> None:
+    """Run following rank `rank` until rank 0 broadcasts the stop (or the group fails)."""
+    torch.set_num_threads(spec.num_threads)
+    torch.set_grad_enabled(False)
+    tune_malloc()
+    timeout = datetime.timedelta(seconds=spec.start_timeout_s)
+    store = dist.TCPStore(spec.host, spec.port, spec.world_size, False, timeout=timeout)
+    store.set(rank_key("joined", rank), str(os.getpid()))
+    group = CommGroup.init(store, rank, spec.world_size, backend="gloo", timeout_s=spec.step_timeout_s)
+    try:
+        try:
+            model, pool = _load(spec, group, store)
+        except BaseException as exc:
+            store.set(rank_key("failed", rank), f"{type(exc).__name__}: {exc}")
+            raise
+        store.set(rank_key("ready", rank), "1")
+        try:
+            with torch.inference_mode():
+                while (batch := broadcast_batch(group)) is not None:
+                    model(batch, pool)
+        except RuntimeError as exc:  # the group broke: rank 0 is gone or stuck
+            logger.error("tensor-parallel rank %d stops: its group failed: %s", rank, exc)
+            return
+    finally:
+        group.destroy()
+
+
+def _load(spec: FollowerSpec, group: CommGroup, store: dist.Store) -> tuple[torch.nn.Module, KVPool]:
+    parallel = Parallel(ParallelConfig(spec.world_size, spec.ep_size), group)
+    loaded = load_model(spec.model_path, spec.dtype, spec.attention_backend, parallel=parallel)
+    layout = json.loads(store.get(POOL_KEY))  # waits: rank 0 publishes it once its own pool is sized
+    mc = loaded.config
+    pool = KVPool(
+        mc.num_layers,
+        loaded.local_kv_heads,
+        mc.head_dim,
+        int(layout["num_slots"]),
+        dtype=mc.dtype,
+        page_size=int(layout["page_size"]),
+    )
+    return loaded.model, pool
