@@ -19,6 +19,10 @@ import yaml
 from radixserve.router.frontend.config import LOG_LEVELS, HTTPConfig, IngressConfig
 from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
 from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
+from radixserve.workers.protocol import KV_TRANSFER_CHOICES, PD_ON_FAILURE
+
+# Engine fields the application builder sets per deployment; no user sets them.
+INTERNAL_FIELDS = frozenset({"role"})
 
 
 @dataclass(frozen=True)
@@ -35,10 +39,25 @@ class DeploymentConfig:
     app_name: str = "radixserve"
     ray_address: str | None = None  # None: RAY_ADDRESS or a new local instance
     ray_metrics_export_port: int | None = None  # a Ray this command starts: its metrics port
+    # PD disaggregation: a prefill pool and a decode pool instead of `dp` unified replicas.
+    pd: bool = False
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    prefill_num_cpus: float | None = None  # Ray CPUs per replica; None: a node's share
+    decode_num_cpus: float | None = None
+    pd_on_failure: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.dp < 1:
             raise ValueError("dp must be >= 1")
+        if self.prefill_replicas < 1 or self.decode_replicas < 1:
+            raise ValueError("prefill_replicas and decode_replicas must be >= 1")
+        for name in ("prefill_num_cpus", "decode_num_cpus"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.pd_on_failure not in PD_ON_FAILURE:
+            raise ValueError(f"pd_on_failure must be one of {PD_ON_FAILURE}, got {self.pd_on_failure!r}")
         if self.ingress_replicas < 1:
             raise ValueError("ingress_replicas must be >= 1")
         if self.max_ongoing_requests < 1:
@@ -151,7 +170,12 @@ class ServerArgs:
         flat = {str(k).replace("-", "_"): v for k, v in (d or {}).items()}
         if "dp_size" in flat:
             flat["dp"] = flat.pop("dp_size")
-        owner = {f.name: layer for layer, c in LAYERS.items() for f in dataclasses.fields(c)}
+        owner = {
+            f.name: layer
+            for layer, c in LAYERS.items()
+            for f in dataclasses.fields(c)
+            if f.name not in INTERNAL_FIELDS
+        }
         unknown = sorted(set(flat) - set(owner))
         if unknown:
             raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
@@ -173,6 +197,8 @@ class ServerArgs:
         out: dict[str, Any] = {}
         for layer in LAYERS:
             out.update(dataclasses.asdict(getattr(self, layer)))
+        for name in INTERNAL_FIELDS:
+            out.pop(name, None)
         return out
 
     def policy_kwargs(self) -> dict[str, Any]:
@@ -180,12 +206,24 @@ class ServerArgs:
         choice = self.deployment.dp > 1 or self.autoscale.bounds("unified") is not None
         return self.router.policy_kwargs("cache_aware" if choice else "round_robin")
 
+    def prefill_policy_kwargs(self) -> dict[str, Any]:
+        """PD: the prefill pool is routed like a unified one (cache-aware once there is a choice)."""
+        choice = self.deployment.prefill_replicas > 1 or self.autoscale.bounds("prefill") is not None
+        return self.router.policy_kwargs("cache_aware" if choice else "round_robin")
+
+    def decode_policy_kwargs(self) -> dict[str, Any]:
+        """PD: the decode pool is routed by load (the less loaded of two candidates)."""
+        return {**self.router.policy_kwargs("power_of_two"), "policy": "power_of_two"}
+
     def ingress_config(self) -> IngressConfig:
+        pd = self.deployment.pd
         return IngressConfig(
             http=self.http,
-            policy=PolicyConfig(**self.policy_kwargs()),
+            policy=PolicyConfig(**(self.prefill_policy_kwargs() if pd else self.policy_kwargs())),
             sync_interval_s=self.router.router_sync_interval_s,
             server_args=tuple(self.to_dict().items()),
+            decode_policy=PolicyConfig(**self.decode_policy_kwargs()),
+            pd_on_failure=self.deployment.pd_on_failure,
         )
 
     @property
@@ -261,6 +299,17 @@ HELP = {
     "balance_abs_threshold": "cache_aware: imbalanced if max load - min load exceeds this ...",
     "balance_rel_threshold": "... and max load exceeds min load times this",
     "router_sync_interval_s": "seconds between replica cache/load reports to the router",
+    "pd": "prefill/decode disaggregation: a prefill pool and a decode pool (instead of --dp), "
+    "the KV moving from one to the other",
+    "prefill_replicas": "PD: prefill replicas",
+    "decode_replicas": "PD: decode replicas",
+    "prefill_num_cpus": "PD: Ray CPUs per prefill replica (default: a node's share)",
+    "decode_num_cpus": "PD: Ray CPUs per decode replica (default: a node's share)",
+    "pd_on_failure": "PD: a decode side that fails after the prefill: recompute the rest on one "
+    "replica, or end the request with an error",
+    "kv_transfer": "PD: how KV moves from prefill to decode: auto (nccl on GPU, gloo on CPU) | gloo "
+    "| nccl | ray (the object store)",
+    "kv_transfer_timeout_s": "PD: a transfer not complete within this frees its slots on both sides",
 }
 
 
@@ -276,6 +325,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     for layer, cls in LAYERS.items():
         group = parser.add_argument_group(layer)
         for f in dataclasses.fields(cls):
+            if f.name in INTERNAL_FIELDS:
+                continue
             flag = "--" + f.name.replace("_", "-")
             names = [flag, "--dp-size"] if f.name == "dp" else [flag]
             kind = _value_type(str(f.type))  # annotations are strings (postponed evaluation)
@@ -289,6 +340,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                     "schedule_policy": SCHEDULE_POLICIES,
                     "log_level": LOG_LEVELS,
                     "router_policy": POLICY_NAMES,
+                    "kv_transfer": KV_TRANSFER_CHOICES,
+                    "pd_on_failure": PD_ON_FAILURE,
                 }.get(f.name)
                 group.add_argument(
                     *names,
