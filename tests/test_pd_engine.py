@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(checkpoint):
     unified = Engine(checkpoint, **ENGINE_ARGS)
-    prefill = Engine(checkpoint, role="prefill", **ENGINE_ARGS)
+    prefill = Engine(checkpoint, role="prefill", kv_transfer_timeout_s=10.0, **ENGINE_ARGS)
     decode = Engine(checkpoint, role="decode", kv_transfer_timeout_s=15.0, **ENGINE_ARGS)
     yield unified, prefill, decode
     for e in (unified, prefill, decode):
@@ -180,3 +180,28 @@ def test_transfer_timeout_fails_clearly_and_frees(engines):
                 pass
 
     asyncio.run(go())
+
+
+def test_decode_side_gone_after_reserving_the_prefill_side_frees_its_slots(engines, checkpoint):
+    """The decode engine (and its transfer engine) stops after handing out a ticket: the prefill
+    replica still answers with the first token, its send fails (at the latest at its 10 s
+    deadline: the dead receiver's store is retried until then), and its slots come back."""
+    _, prefill, _ = engines
+    gone = Engine(checkpoint, role="decode", **ENGINE_ARGS)
+
+    async def go():
+        req = GenerateRequest(list(PROMPTS[2]), SamplingParams(max_new_tokens=4, temperature=0))
+        stream, done = gone.reserve(req)
+        tickets = await asyncio.wrap_future(done)
+        gone.shutdown()
+        with pytest.raises(Exception, match="engine shut down"):
+            async for _ in stream:
+                pass
+        failed = prefill.stats()["pd_transfers_failed_total"]
+        chunks = [c async for c in prefill.submit(dataclasses.replace(req, kv_tickets=tickets))]
+        assert len(chunks) == 1 and len(chunks[0].token_ids) == 1
+        return failed
+
+    failed = asyncio.run(go())
+    assert_kv_invariant(prefill)  # waits until the send settled and the slots are back
+    assert prefill.stats()["pd_transfers_failed_total"] == failed + 1
