@@ -121,7 +121,7 @@ class PDStream:
     async def _prefill_part(self) -> AsyncIterator[OutputChunk]:
         """Each sequence's first token; the prefill replica's end marks are not the client's."""
         assert self.prefill is not None
-        chunk = self.first
+        chunk, ended = self.first, 0
         while chunk is not None:
             self.sent.setdefault(chunk.index, []).extend(chunk.token_ids)
             yield OutputChunk(
@@ -131,6 +131,11 @@ class PDStream:
                 text=chunk.text,
                 logprobs=chunk.logprobs,
             )
+            ended += chunk.finished
+            if ended == self.req.sampling_params.n:
+                # Every sequence's part is here: the end of the prefill call itself is not waited
+                # for (it may come late from a replica busy with a long forward).
+                break
             chunk = await self.prefill.next()
 
     async def _decode_part(self) -> AsyncIterator[OutputChunk]:
