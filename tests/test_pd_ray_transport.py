@@ -1,14 +1,17 @@
 """PD disaggregation live over the Ray object store transport (`--kv-transfer ray`): greedy
-output equals the unified engine's, streamed and not, and both pools return to idle."""
+output equals the unified engine's, streamed and not; a prefill replica lost mid-prefill; both
+pools return to idle after each test."""
 
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.pd_utils import MAX_TOKENS, PD_ARGS, PROMPTS, unified_reference, wait_idle
+from tests.pd_utils import MAX_TOKENS, PD_ARGS, PROMPTS, kill_replica, unified_reference, wait_idle
 from tests.serve_utils import running_app
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
@@ -29,7 +32,7 @@ def http(reference):
 @pytest.fixture(autouse=True)
 def idle_after(http):
     yield
-    wait_idle(http)
+    wait_idle(http, timeout=240)  # the last test waits for a replacement replica
 
 
 def test_greedy_output_equals_unified_over_ray(http, reference):
@@ -54,3 +57,21 @@ def test_streamed_chat_over_ray(http, reference):
             if line.startswith("data: {"):
                 text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
     assert text == expected[1]["text"]
+
+
+def test_prefill_replica_lost_during_a_long_prefill(http):
+    """Last in the module: the prefill replica dies while it computes a long prompt. The request
+    is still answered in full (sent again once Serve replaced the replica, or recomputed if its
+    first token was out), and both pools end idle: the decode side's reservation was freed."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    text = " ".join(words[i % len(words)] for i in range(2500))
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(http.post, "/generate", json={"text": text, "sampling_params": sp}, timeout=300)
+        time.sleep(1.0)  # the prompt is being prefilled (seconds on one thread)
+        kill_replica("PrefillReplica")
+        r = fut.result()
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["completion_tokens"] == 6 and meta["finish_reason"]["type"] == "length"
+    wait_idle(http, timeout=240)
