@@ -6,6 +6,9 @@ runs as the engine deployment's Serve request router inside this replica's handl
 (router/routing/request_router.py); both meet in this process's RoutingState. The ingress keeps that
 state honest: every `router_sync_interval_s` it pulls each replica's cached prefixes and load
 (`EngineReplica.cache_summary`) and applies them.
+
+In PD mode the ingress holds two engine pools, prefill and decode, each with its own request
+router and routing state; a request is served by one replica of each (router/frontend/pd_stream.py).
 """
 
 from __future__ import annotations

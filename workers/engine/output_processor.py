@@ -58,7 +58,8 @@ class OutputProcessor:
         self.counters["generation_tokens_total"] += 1
         if req.kv_ticket is not None:
             # PD prefill: the first token is all this replica samples; the decode replica goes on
-            # (jump-forward included) from the same state.
+            # from the same state (tokens a grammar forces right after this one are sampled
+            # there, a step each, instead of jumped over: the same tokens, more steps).
             req.finish("handoff")
             return
         # Jump-forward appends several tokens at once; a stop string among them must cut the
