@@ -3,12 +3,15 @@
 `build_app` is the import path Ray Serve's own tooling calls (`serve run deploy/serve.yaml`,
 `radixserve.cluster.app:build_app`): it takes the flat argument dict of the YAML's `args:` and
 returns the bound application: the ingress in front of `dp` engine replicas (or between
-`min_replicas` and `max_replicas` of them, autoscaled). Each deployment is
-bound with its typed, frozen config (an `IngressConfig`, an `EngineConfig`).
+`min_replicas` and `max_replicas` of them, autoscaled), or with `pd`, in front of a prefill pool
+(`PrefillReplica`, routed cache-aware) and a decode pool (`DecodeReplica`, routed by load), each
+with its own replica count, CPUs and autoscaling. Each deployment is bound with its typed, frozen
+config (an `IngressConfig`, an `EngineConfig` with the deployment's role).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
@@ -23,25 +26,33 @@ from radixserve.router.frontend.ingress import IngressDeployment
 from radixserve.router.routing.request_router import REQUEST_ROUTER_CLASS
 from radixserve.workers.replica import EngineReplica
 
+ROLE_DEPLOYMENTS = {"unified": "EngineReplica", "prefill": "PrefillReplica", "decode": "DecodeReplica"}
 
-def replica_options(args: ServerArgs) -> dict[str, Any]:
-    """Serve options of the engine deployment. The routing policy plugs in here, as this
-    deployment's Serve request router: every handle to it (one per ingress replica) builds its
-    own PolicyRequestRouter with these policy settings."""
+
+def replica_options(args: ServerArgs, role: str = "unified") -> dict[str, Any]:
+    """Serve options of the engine deployment of `role`. The routing policy plugs in here, as
+    this deployment's Serve request router: every handle to it (one per ingress replica) builds
+    its own PolicyRequestRouter with these policy settings."""
+    d = args.deployment
+    count, cpus, policy = {
+        "unified": (d.dp, d.replica_num_cpus, args.policy_kwargs),
+        "prefill": (d.prefill_replicas, d.prefill_num_cpus, args.prefill_policy_kwargs),
+        "decode": (d.decode_replicas, d.decode_num_cpus, args.decode_policy_kwargs),
+    }[role]
     # Serve takes the class as an import path (its field validator imports it); its annotation
     # names only the deserialized form.
     router = RequestRouterConfig(
         request_router_class=REQUEST_ROUTER_CLASS,  # type: ignore[arg-type]
-        request_router_kwargs=args.policy_kwargs(),
+        request_router_kwargs=policy(),
     )
-    tp = args.engine.tp_size
-    cpus = args.deployment.replica_num_cpus
     if cpus is None:
-        bounds = args.autoscale.bounds("unified")  # room for the most replicas it may scale to
-        cpus = replica_cpu_share(bounds[1] if bounds else args.deployment.dp, tp)
+        # Room for the most replicas every pool may scale to, sharing the nodes.
+        most = sum(_most_replicas(args, r) for r in _roles(args))
+        cpus = replica_cpu_share(most, args.engine.tp_size)
     return {
-        **deployment_autoscaling("unified", args, args.deployment.dp),
-        "max_ongoing_requests": args.deployment.max_ongoing_requests,
+        **deployment_autoscaling(role, args, count),
+        "name": ROLE_DEPLOYMENTS[role],
+        "max_ongoing_requests": d.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": cpus},
         "request_router_config": router,
         **tp_placement(args, cpus),
@@ -62,6 +73,18 @@ def tp_placement(args: ServerArgs, cpus: float) -> dict[str, Any]:
     }
 
 
+def _roles(args: ServerArgs) -> tuple[str, ...]:
+    return ("prefill", "decode") if args.deployment.pd else ("unified",)
+
+
+def _most_replicas(args: ServerArgs, role: str) -> int:
+    d = args.deployment
+    bounds = args.autoscale.bounds(role)
+    if bounds:
+        return bounds[1]
+    return {"unified": d.dp, "prefill": d.prefill_replicas, "decode": d.decode_replicas}[role]
+
+
 def replica_cpu_share(dp: int, tp: int = 1) -> float:
     """CPUs per engine replica (per rank of one, with tensor parallelism) when --replica-num-cpus
     is unset: the smallest node's CPUs split among the ranks each node must hold, so all dp
@@ -79,15 +102,24 @@ def replica_cpu_share(dp: int, tp: int = 1) -> float:
     return float(int(share)) if share >= 1 else round(share, 2)
 
 
-def build(args: ServerArgs) -> Application:
+def engine_deployment(args: ServerArgs, role: str) -> Any:
+    """The bound engine deployment of `role`."""
+    config = dataclasses.replace(args.engine, role=role)
     # @serve.deployment turns the class into a Deployment, which mypy cannot see through.
-    replicas = EngineReplica.options(**replica_options(args)).bind(args.engine)  # type: ignore[attr-defined]
+    return EngineReplica.options(**replica_options(args, role)).bind(config)  # type: ignore[attr-defined]
+
+
+def build(args: ServerArgs) -> Application:
     ingress = IngressDeployment.options(
         num_replicas=args.deployment.ingress_replicas,
         max_ongoing_requests=args.deployment.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.deployment.ingress_num_cpus},
     )
-    return ingress.bind(replicas, args.ingress_config())
+    if args.deployment.pd:
+        prefill = engine_deployment(args, "prefill")
+        decode = engine_deployment(args, "decode")
+        return ingress.bind(prefill, args.ingress_config(), decode)
+    return ingress.bind(engine_deployment(args, "unified"), args.ingress_config())
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -104,10 +104,13 @@ def serve_forever(args: ServerArgs) -> int:
         serve.start(http_options=args.http.serve_http_options())
         serve.run(build(args), name=args.deployment.app_name, route_prefix="/")
         serving = True
-        print(
-            f"RadixServe is ready at {args.url} ({args.deployment.dp} engine replica(s)); Ctrl-C stops it.",
-            flush=True,
+        d = args.deployment
+        layout = (
+            f"PD: {d.prefill_replicas} prefill + {d.decode_replicas} decode replica(s)"
+            if d.pd
+            else f"{d.dp} engine replica(s)"
         )
+        print(f"RadixServe is ready at {args.url} ({layout}); Ctrl-C stops it.", flush=True)
         while True:
             time.sleep(3600)
     except Interrupted as e:

@@ -19,6 +19,10 @@ import yaml
 from radixserve.router.frontend.config import LOG_LEVELS, HTTPConfig, IngressConfig
 from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
 from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
+from radixserve.workers.protocol import KV_TRANSFER_CHOICES, PD_ON_FAILURE
+
+# Engine fields the application builder sets per deployment; no user sets them.
+INTERNAL_FIELDS = frozenset({"role"})
 
 # --tp-placement -> the placement group strategy of a tensor-parallel replica's bundles.
 TP_PLACEMENTS = {"strict_pack": "STRICT_PACK", "pack": "PACK"}
@@ -43,12 +47,27 @@ class DeploymentConfig:
     # Where a tensor-parallel replica's ranks go (one placement group bundle each): all on one
     # node (strict_pack), or packed but free to span nodes (pack).
     tp_placement: str = "strict_pack"
+    # PD disaggregation: a prefill pool and a decode pool instead of `dp` unified replicas.
+    pd: bool = False
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    prefill_num_cpus: float | None = None  # Ray CPUs per replica; None: a node's share
+    decode_num_cpus: float | None = None
+    pd_on_failure: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.dp < 1:
             raise ValueError("dp must be >= 1")
         if self.tp_placement not in TP_PLACEMENTS:
             raise ValueError(f"tp_placement must be one of {tuple(TP_PLACEMENTS)}, got {self.tp_placement!r}")
+        if self.prefill_replicas < 1 or self.decode_replicas < 1:
+            raise ValueError("prefill_replicas and decode_replicas must be >= 1")
+        for name in ("prefill_num_cpus", "decode_num_cpus"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.pd_on_failure not in PD_ON_FAILURE:
+            raise ValueError(f"pd_on_failure must be one of {PD_ON_FAILURE}, got {self.pd_on_failure!r}")
         if self.ingress_replicas < 1:
             raise ValueError("ingress_replicas must be >= 1")
         if self.max_ongoing_requests < 1:
@@ -157,6 +176,10 @@ class ServerArgs:
     router: RouterConfig = field(default_factory=RouterConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
+    def __post_init__(self) -> None:
+        if self.deployment.pd:  # the engine's own rules for the roles the app builder will give it
+            dataclasses.replace(self.engine, role="prefill")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None = None) -> ServerArgs:
         """Build from one flat dict of field names (hyphens allowed); unknown names are an error."""
@@ -164,7 +187,12 @@ class ServerArgs:
         for alias, name in ALIASES.items():
             if alias in flat:
                 flat[name] = flat.pop(alias)
-        owner = {f.name: layer for layer, c in LAYERS.items() for f in dataclasses.fields(c)}
+        owner = {
+            f.name: layer
+            for layer, c in LAYERS.items()
+            for f in dataclasses.fields(c)
+            if f.name not in INTERNAL_FIELDS
+        }
         unknown = sorted(set(flat) - set(owner))
         if unknown:
             raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
@@ -186,6 +214,8 @@ class ServerArgs:
         out: dict[str, Any] = {}
         for layer in LAYERS:
             out.update(dataclasses.asdict(getattr(self, layer)))
+        for name in INTERNAL_FIELDS:
+            out.pop(name, None)
         return out
 
     def policy_kwargs(self) -> dict[str, Any]:
@@ -193,12 +223,24 @@ class ServerArgs:
         choice = self.deployment.dp > 1 or self.autoscale.bounds("unified") is not None
         return self.router.policy_kwargs("cache_aware" if choice else "round_robin")
 
+    def prefill_policy_kwargs(self) -> dict[str, Any]:
+        """PD: the prefill pool is routed like a unified one (cache-aware once there is a choice)."""
+        choice = self.deployment.prefill_replicas > 1 or self.autoscale.bounds("prefill") is not None
+        return self.router.policy_kwargs("cache_aware" if choice else "round_robin")
+
+    def decode_policy_kwargs(self) -> dict[str, Any]:
+        """PD: the decode pool is routed by load (the less loaded of two candidates)."""
+        return {**self.router.policy_kwargs("power_of_two"), "policy": "power_of_two"}
+
     def ingress_config(self) -> IngressConfig:
+        pd = self.deployment.pd
         return IngressConfig(
             http=self.http,
-            policy=PolicyConfig(**self.policy_kwargs()),
+            policy=PolicyConfig(**(self.prefill_policy_kwargs() if pd else self.policy_kwargs())),
             sync_interval_s=self.router.router_sync_interval_s,
             server_args=tuple(self.to_dict().items()),
+            decode_policy=PolicyConfig(**self.decode_policy_kwargs()),
+            pd_on_failure=self.deployment.pd_on_failure,
         )
 
     @property
@@ -279,6 +321,17 @@ HELP = {
     "balance_abs_threshold": "cache_aware: imbalanced if max load - min load exceeds this ...",
     "balance_rel_threshold": "... and max load exceeds min load times this",
     "router_sync_interval_s": "seconds between replica cache/load reports to the router",
+    "pd": "prefill/decode disaggregation: a prefill pool and a decode pool (instead of --dp), "
+    "the KV moving from one to the other",
+    "prefill_replicas": "PD: prefill replicas",
+    "decode_replicas": "PD: decode replicas",
+    "prefill_num_cpus": "PD: Ray CPUs per prefill replica (default: a node's share)",
+    "decode_num_cpus": "PD: Ray CPUs per decode replica (default: a node's share)",
+    "pd_on_failure": "PD: a decode side that fails after the prefill: recompute the rest on one "
+    "replica, or end the request with an error",
+    "kv_transfer": "PD: how KV moves from prefill to decode: auto (nccl on GPU, gloo on CPU) | gloo "
+    "| nccl | ray (the object store)",
+    "kv_transfer_timeout_s": "PD: a transfer not complete within this frees its slots on both sides",
 }
 
 
@@ -294,6 +347,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     for layer, cls in LAYERS.items():
         group = parser.add_argument_group(layer)
         for f in dataclasses.fields(cls):
+            if f.name in INTERNAL_FIELDS:
+                continue
             flag = "--" + f.name.replace("_", "-")
             names = [flag] + ["--" + a.replace("_", "-") for a, n in ALIASES.items() if n == f.name]
             kind = _value_type(str(f.type))  # annotations are strings (postponed evaluation)
@@ -308,6 +363,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                     "log_level": LOG_LEVELS,
                     "router_policy": POLICY_NAMES,
                     "tp_placement": tuple(TP_PLACEMENTS),
+                    "kv_transfer": KV_TRANSFER_CHOICES,
+                    "pd_on_failure": PD_ON_FAILURE,
                 }.get(f.name)
                 group.add_argument(
                     *names,

@@ -113,6 +113,36 @@ def test_serve_yaml_passes_serves_schema_and_our_arguments():
     assert overrides[EngineReplica.name].graceful_shutdown_timeout_s >= 60
 
 
+def test_serve_pd_yaml_passes_serves_schema_and_builds_three_deployments():
+    from ray.serve.schema import ServeDeploySchema
+
+    from radixserve.cluster.app import ROLE_DEPLOYMENTS, build
+    from radixserve.router.frontend.ingress import IngressDeployment
+
+    config = load("serve-pd.yaml")
+    schema = ServeDeploySchema.model_validate(config)
+    (app,) = schema.applications
+    assert app.import_path == "radixserve.cluster.app:build_app"
+    args = ServerArgs.from_dict(app.args)
+    assert args.deployment.pd and args.deployment.pd_on_failure == "recompute"
+    assert args.http.port == config["http_options"]["port"]
+    overrides = {d.name: d for d in app.deployments}
+    roles = {ROLE_DEPLOYMENTS["prefill"], ROLE_DEPLOYMENTS["decode"]}
+    assert set(overrides) == roles | {IngressDeployment.name}
+    # The built application has exactly these deployments, each engine pool with its role.
+    built = build(args)._bound_deployment
+    assert built.name == IngressDeployment.name
+    engines = [a._bound_deployment for a in built.init_args if hasattr(a, "_bound_deployment")]
+    assert {e.name: e.init_args[0].role for e in engines} == {
+        "PrefillReplica": "prefill",
+        "DecodeReplica": "decode",
+    }
+    assert {e.name: e.ray_actor_options["num_cpus"] for e in engines} == {
+        "PrefillReplica": 1,
+        "DecodeReplica": 1,
+    }
+
+
 def test_promtool_checks_the_prometheus_config(promtool):
     # README: promtool check config deploy/prometheus.yml
     out = subprocess.run(

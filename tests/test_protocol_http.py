@@ -362,7 +362,7 @@ def test_metrics_render_replica_counters_and_request_histograms():
                 prompt_tokens_total=40,
                 cached_tokens_total=25,
             ),
-            ReplicaStats(replica_id="a", kv_total=100, kv_free=100),
+            ReplicaStats(replica_id="a", role="decode", kv_total=100, kv_free=100),
         ]
     )
     t = m.timer()
@@ -371,13 +371,13 @@ def test_metrics_render_replica_counters_and_request_histograms():
     t.tokens(3)
     t.finished()
     text = m.render().decode()
-    assert 'radixserve:prompt_tokens_total{model_name="m",replica="b"} 40.0' in text
-    assert 'radixserve:cached_tokens_total{model_name="m",replica="b"} 25.0' in text
-    assert 'radixserve:num_running_reqs{model_name="m",replica="b"} 2.0' in text
-    assert 'radixserve:token_usage{model_name="m",replica="b"} 0.2' in text
-    assert 'radixserve:cache_evictable_tokens{model_name="m",replica="a"} 0.0' in text
-    assert 'radixserve:cache_protected_tokens{model_name="m",replica="b"} 12.0' in text
-    assert 'radixserve:kv_free_tokens{model_name="m",replica="b"} 50.0' in text
+    assert 'radixserve:prompt_tokens_total{model_name="m",replica="b",role="unified"} 40.0' in text
+    assert 'radixserve:cached_tokens_total{model_name="m",replica="b",role="unified"} 25.0' in text
+    assert 'radixserve:num_running_reqs{model_name="m",replica="b",role="unified"} 2.0' in text
+    assert 'radixserve:token_usage{model_name="m",replica="b",role="unified"} 0.2' in text
+    assert 'radixserve:cache_evictable_tokens{model_name="m",replica="a",role="decode"} 0.0' in text
+    assert 'radixserve:cache_protected_tokens{model_name="m",replica="b",role="unified"} 12.0' in text
+    assert 'radixserve:kv_free_tokens{model_name="m",replica="b",role="unified"} 50.0' in text
     assert 'radixserve:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
     assert 'radixserve:inter_token_latency_seconds_count{model_name="m"} 3.0' in text
     assert 'radixserve:e2e_request_latency_seconds_count{model_name="m"} 1.0' in text

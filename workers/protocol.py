@@ -240,15 +240,21 @@ class GenerateRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     namespace: str | None = None  # cache isolation key (tenant salt; LoRA id later)
     stream: bool = False
+    # PD mode, to a prefill replica: one decode replica's `KVReservation.tickets` (one per
+    # sequence). The replica computes the prompt, streams the first token and sends the KV there.
+    kv_tickets: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "input_ids": list(self.input_ids),
             "sampling_params": self.sampling_params.to_dict(),
             "rid": self.rid,
             "namespace": self.namespace,
             "stream": self.stream,
         }
+        if self.kv_tickets is not None:
+            d["kv_tickets"] = self.kv_tickets
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GenerateRequest:
@@ -258,7 +264,42 @@ class GenerateRequest:
             rid=d["rid"],
             namespace=d.get("namespace"),
             stream=bool(d.get("stream")),
+            kv_tickets=d.get("kv_tickets"),
         )
+
+
+# The roles of an engine replica: one that does it all, or one side of prefill/decode (PD)
+# disaggregation.
+ROLES = ("unified", "prefill", "decode")
+# What the ingress does when the decode side of a PD request fails after its prefill: recompute
+# the rest of it on one engine (the default), or end it with an error.
+PD_ON_FAILURE = ("recompute", "error")
+# How KV moves from prefill to decode replicas (workers/disaggregation): auto = nccl for CUDA
+# pools, gloo otherwise.
+KV_TRANSFER_CHOICES = ("auto", "gloo", "nccl", "ray")
+
+
+@dataclass
+class KVReservation:
+    """A decode replica's answer to a PD request, before any output: one KV transfer ticket per
+    sequence (opaque to the router: it hands them to the prefill replica in
+    `GenerateRequest.kv_tickets`). The decode replica holds the slots until the KV arrived, the
+    request ended, or the transfer timed out."""
+
+    rid: str
+    tickets: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kv_reservation": {"rid": self.rid, "tickets": self.tickets}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVReservation:
+        r = d["kv_reservation"]
+        return cls(rid=str(r["rid"]), tickets=list(r["tickets"]))
+
+    @staticmethod
+    def is_one(d: dict[str, Any]) -> bool:
+        return "kv_reservation" in d
 
 
 @dataclass
@@ -364,6 +405,7 @@ class ReplicaStats:
     """A replica's load and cache state, as `/get_server_info` and the router see it."""
 
     replica_id: str = ""
+    role: str = "unified"  # one of ROLES
     running: int = 0
     queued: int = 0
     kv_total: int = 0
@@ -418,6 +460,11 @@ class EngineError(RuntimeError):
     in-band error event once a stream has started) that carries only `request_id`."""
 
 
+class TransferFailed(EngineError):
+    """PD mode: a request's KV never arrived at its decode replica (the prefill side failed, the
+    transfer broke or timed out). The decode replica freed its slots; the ingress may recompute."""
+
+
 @dataclass
 class ModelCard:
     """What the ingress needs to know about a replica's model, sent once at ingress start.
@@ -451,6 +498,8 @@ def encode_error(exc: Exception) -> dict[str, Any]:
         }
     if isinstance(exc, QueueFull):
         return {"error": {"kind": "queue_full", "message": str(exc) or "queue full"}}
+    if isinstance(exc, TransferFailed):
+        return {"error": {"kind": "transfer_failed", "message": str(exc) or "KV transfer failed"}}
     if isinstance(exc, EngineError):
         return {"error": {"kind": "engine_error", "message": str(exc) or "engine error"}}
     raise TypeError(f"not a protocol error: {type(exc).__name__}")
@@ -465,4 +514,6 @@ def decode_error(d: dict[str, Any]) -> Exception:
         return QueueFull(err["message"])
     if err["kind"] == "engine_error":
         return EngineError(err["message"])
+    if err["kind"] == "transfer_failed":
+        return TransferFailed(err["message"])
     raise ValueError(f"unknown error kind {err['kind']!r}")

@@ -1,4 +1,7 @@
-"""EngineReplica: one engine as a Ray Serve deployment replica (unified prefill + decode).
+"""EngineReplica: one engine as a Ray Serve deployment replica, in one of three roles (its
+`EngineConfig.role`): unified (prefill + decode), or one side of PD disaggregation: a prefill
+replica (`generate` with KV tickets: the prompt, the first token, then the KV sent on) or a decode
+replica (`reserve`: slots and tickets first, then the rest of the output once the KV is in).
 
 Everything crossing the handle is a protocol dict: requests in as `GenerateRequest.to_dict()`,
 chunks out as `OutputChunk.to_dict()`, refusals as `encode_error(...)`. The deployment options
@@ -22,6 +25,7 @@ from radixserve.workers.protocol import (
     EngineError,
     GenerateRequest,
     InvalidRequest,
+    KVReservation,
     ModelCard,
     OutputChunk,
     QueueFull,
@@ -100,6 +104,37 @@ class EngineReplica:
         """Serve's health check: raises once the engine has stopped on its own (a tensor-parallel
         rank died), so that Serve replaces this replica."""
         self.engine.check_health()
+
+    async def reserve(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """PD, decode role: stream one request whose prompt a prefill replica computes. First a
+        `KVReservation` (the tickets for the prefill replica) once the slots are reserved, then
+        the request's chunks from its second token on (the first one is the prefill replica's
+        to send). Refusals and failures as in `generate` (`TransferFailed` when the KV never
+        came); a caller that goes away aborts the request and frees its slots."""
+        try:
+            req = GenerateRequest.from_dict(request)
+            stream, done = self.engine.reserve(req)
+        except (InvalidRequest, QueueFull) as e:
+            yield encode_error(e)
+            return
+        finished = False
+        try:
+            try:
+                tickets = await asyncio.wrap_future(done)
+            except (InvalidRequest, QueueFull) as e:
+                finished = True  # refused on the engine thread: nothing was kept
+                yield encode_error(e)
+                return
+            yield KVReservation(req.rid, tickets).to_dict()
+            async for chunk in stream:
+                yield chunk.to_dict()
+            finished = True
+        except (InvalidRequest, QueueFull, EngineError) as e:
+            finished = True
+            yield encode_error(e)
+        finally:
+            if not finished:
+                self.engine.abort(req.rid)
 
     async def model_card(self) -> dict[str, Any]:
         cfg = self.engine.model_config

@@ -67,6 +67,10 @@ class IngressConfig:
     policy: PolicyConfig
     sync_interval_s: float  # how often replicas' reports correct the routing state
     server_args: tuple[tuple[str, Any], ...]
+    # PD mode: the decode pool's routing policy, and what a decode side that fails after its
+    # prefill leads to (workers.protocol.PD_ON_FAILURE).
+    decode_policy: PolicyConfig = PolicyConfig(policy="power_of_two")
+    pd_on_failure: str = "recompute"
 
     def server_info(self) -> dict[str, Any]:
         """The flat server arguments with the key settings masked."""

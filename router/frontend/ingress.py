@@ -6,6 +6,9 @@ runs as the engine deployment's Serve request router inside this replica's handl
 (router/routing/request_router.py); both meet in this process's RoutingState. The ingress keeps that
 state honest: every `router_sync_interval_s` it pulls each replica's cached prefixes and load
 (`EngineReplica.cache_summary`) and applies them.
+
+In PD mode the ingress holds two engine pools, prefill and decode, each with its own request
+router and routing state; a request is served by one replica of each (router/frontend/pd_stream.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from radixserve.router.frontend.config import IngressConfig
 from radixserve.router.frontend.metrics import Metrics, RequestTimer
+from radixserve.router.frontend.pd_stream import PDStream
 from radixserve.router.frontend.tokenizer import Tokenizer
 from radixserve.router.frontend.tokenizer_pool import TokenizerPool
 from radixserve.router.routing.request_router import state_key
@@ -78,12 +82,19 @@ class ReplicaStream:
             self.gen.cancel()
 
 
+Stream = ReplicaStream | PDStream
+
+
 class Ingress:
     # Serve awaits an async constructor; mypy knows only synchronous ones.
-    async def __init__(self, replicas: DeploymentHandle, config: IngressConfig):  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, replicas: DeploymentHandle, config: IngressConfig, decode: DeploymentHandle | None = None
+    ):
         """`config.policy` is the routing policy that cluster/app.py also gives the engine
-        deployment's request router."""
+        deployment's request router. With `decode` (PD mode), `replicas` is the prefill pool
+        and `decode` the decode pool (routed by `config.decode_policy`)."""
         self.replicas = replicas
+        self.decode = decode
         self.config = config
         self.http = config.http
         logging.getLogger("radixserve").setLevel(config.http.log_level.upper())
@@ -95,6 +106,11 @@ class Ingress:
         self.metrics = Metrics(self.model_name)
         key = state_key(replicas.deployment_id.app_name, replicas.deployment_id.name)
         self.routing = routing_state(key, config.policy)
+        # Every engine pool with its routing state: the one pool, or prefill and decode.
+        self.pools = [(replicas, self.routing)]
+        if decode is not None:
+            dkey = state_key(decode.deployment_id.app_name, decode.deployment_id.name)
+            self.pools.append((decode, routing_state(dkey, config.decode_policy)))
         self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
         self.draining = False  # set by `drain`; api.py's Drain then refuses new HTTP requests
         self.in_flight = 0  # HTTP requests being served here (a stream until its last byte)
@@ -113,13 +129,14 @@ class Ingress:
         """Correct the routing state from every replica's own report; returns how many replicas
         answered. A replica that fails to answer is skipped (if it died, Serve's replica update
         removes it from the state)."""
-        point = self.routing.sync_point()
-        budget = SUMMARY_MAX_TOKENS if self.routing.uses_prefix_tree else 0
         applied = 0
-        for r in await self._broadcast("cache_summary", budget):
-            # The engine lists most recent first; the tree wants least recent first.
-            prefixes = list(zip(r["namespaces"], r["prefixes"]))[::-1] if budget else None
-            applied += self.routing.apply_report(ReplicaStats.from_dict(r["stats"]), prefixes, point)
+        for handle, routing in self.pools:
+            point = routing.sync_point()
+            budget = SUMMARY_MAX_TOKENS if routing.uses_prefix_tree else 0
+            for r in await self._broadcast_to(handle, "cache_summary", budget):
+                # The engine lists most recent first; the tree wants least recent first.
+                prefixes = list(zip(r["namespaces"], r["prefixes"]))[::-1] if budget else None
+                applied += routing.apply_report(ReplicaStats.from_dict(r["stats"]), prefixes, point)
         return applied
 
     async def _sync_forever(self) -> None:
@@ -131,9 +148,12 @@ class Ingress:
                 logger.exception("routing correction failed")
 
     def router_snapshot(self) -> dict[str, Any]:
-        return self.routing.snapshot()
+        snap = self.routing.snapshot()
+        if self.decode is not None:
+            snap["decode"] = self.pools[1][1].snapshot()
+        return snap
 
-    async def open(self, req: GenerateRequest) -> ReplicaStream:
+    async def open(self, req: GenerateRequest) -> Stream:
         """Send `req` to a replica; returns once its first output is there.
 
         Raises InvalidRequest / QueueFull (as the replica's engine refused it) before any output,
@@ -147,6 +167,8 @@ class Ingress:
         timer = self.metrics.timer()
         for attempt in range(1, OPEN_ATTEMPTS + 1):
             try:
+                if self.decode is not None:
+                    return await self._open_pd(req, timer)
                 return await self._open(req, timer)
             except REPLICA_LOST as e:
                 if attempt == OPEN_ATTEMPTS:
@@ -172,10 +194,24 @@ class Ingress:
             raise
         return stream
 
+    async def _open_pd(self, req: GenerateRequest, timer: RequestTimer) -> PDStream:
+        assert self.decode is not None
+        stream = PDStream(req, self.replicas, self.decode, timer, self.config.pd_on_failure)
+        await stream.open()
+        return stream
+
     async def _broadcast(self, method: str, *args: Any, timeout_s: float = CONTROL_TIMEOUT_S) -> list[Any]:
-        """`method` on every replica; the answers of those that answered (one that just died is
-        left out, not an error: Serve replaces it)."""
-        results = await self.replicas.broadcast(method, *args).results_async(
+        """`method` on every replica of every pool; the answers of those that answered (one that
+        just died is left out, not an error: Serve replaces it)."""
+        out: list[Any] = []
+        for handle, _ in self.pools:
+            out += await self._broadcast_to(handle, method, *args, timeout_s=timeout_s)
+        return out
+
+    async def _broadcast_to(
+        self, handle: DeploymentHandle, method: str, *args: Any, timeout_s: float = CONTROL_TIMEOUT_S
+    ) -> list[Any]:
+        results = await handle.broadcast(method, *args).results_async(
             timeout_s=timeout_s, return_exceptions=True
         )
         return [r for r in results if not isinstance(r, BaseException)]

@@ -1,6 +1,6 @@
 """Prometheus metrics at /metrics: latency histograms the ingress observes per request,
-counters / gauges read from every replica's `ReplicaStats` at scrape time (label `replica`), and
-the routing policy's counters (`radixserve:router_*`, this ingress replica's view).
+counters / gauges read from every replica's `ReplicaStats` at scrape time (labels `replica` and
+`role`), and the routing policy's counters (`radixserve:router_*`, this ingress replica's view).
 
 Counters are the replicas' own monotonic totals, so `rate(radixserve:cached_tokens_total[1m]) /
 rate(radixserve:prompt_tokens_total[1m])` is the cache hit rate, per replica or summed.
@@ -149,12 +149,13 @@ class _ReplicaCollector:
         self.metrics = metrics
 
     def collect(self) -> Iterable[Metric]:
-        labels = ["model_name", "replica"]
+        # role: unified, or prefill / decode in PD mode (a pool's figures are its replicas' sum).
+        labels = ["model_name", "replica", "role"]
         stats = self.metrics._replicas
         for name, attr, doc in COUNTERS:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             for s in stats:
-                c.add_metric([self.metrics.model_name, s.replica_id], getattr(s, attr))
+                c.add_metric([self.metrics.model_name, s.replica_id, s.role], getattr(s, attr))
             yield c
         gauges = (
             ("num_running_reqs", "Requests in the running batch", lambda s: s.running),
@@ -176,7 +177,7 @@ class _ReplicaCollector:
         for name, doc, value in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
             for s in stats:
-                g.add_metric([self.metrics.model_name, s.replica_id], value(s))
+                g.add_metric([self.metrics.model_name, s.replica_id, s.role], value(s))
             yield g
 
 

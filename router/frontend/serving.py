@@ -46,7 +46,8 @@ from radixserve.router.frontend.tenants import Identity, identity_of
 from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams
 
 if TYPE_CHECKING:
-    from radixserve.router.frontend.ingress import Ingress, ReplicaStream
+    from radixserve.router.frontend.ingress import Ingress
+    from radixserve.router.frontend.ingress import Stream as ReplicaStream
 
 _DONE = object()
 

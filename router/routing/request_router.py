@@ -7,7 +7,7 @@ dead ones, probing queue lengths, retrying a request whose replica refused or di
 accepting it. This class only answers "which replica" from the policy, and keeps the policy's
 in-flight counts and prefix tree in step with where requests really went:
 
-- `choose_replicas`: `generate` calls carry a `GenerateRequest` dict; its token ids and cache
+- `choose_replicas`: `generate` and `reserve` calls carry a `GenerateRequest` dict; its token ids and cache
   namespace (the tenant) go to the policy, which records the dispatch right away (a burst of one new prefix then stays together).
   The first rank is the policy's choice, the second the others by load (used only if the first
   is full). Control calls (`model_card`, ...) go to the least loaded.
@@ -29,7 +29,9 @@ from radixserve.router.routing.routing_state import RoutingState, routing_state
 
 logger = logging.getLogger(__name__)
 
-ROUTED_METHOD = "generate"
+# The calls that carry a GenerateRequest: `generate` (unified and prefill replicas) and
+# `reserve` (decode replicas in PD mode).
+ROUTED_METHODS = ("generate", "reserve")
 REQUEST_ROUTER_CLASS = "radixserve.router.routing.request_router:PolicyRequestRouter"
 
 
@@ -44,7 +46,7 @@ class Prompt(NamedTuple):
 
 def routed_prompt(pending_request: PendingRequest | None) -> Prompt | None:
     """The cache namespace and prompt token ids of a `generate` call, None for any other call."""
-    if pending_request is None or pending_request.metadata.call_method != ROUTED_METHOD:
+    if pending_request is None or pending_request.metadata.call_method not in ROUTED_METHODS:
         return None
     args = pending_request.args
     request = args[0] if args else pending_request.kwargs.get("request")

@@ -47,8 +47,7 @@ from radixserve.workers.disaggregation.messages import KVEndpoint, KVTicket
 from radixserve.workers.disaggregation.spec import KVSpec, model_fingerprint
 from radixserve.workers.disaggregation.transfer import RecvHandle, SendHandle
 from radixserve.workers.mem_cache.kv_pool import KVPool
-
-KV_TRANSFER_CHOICES = ("auto", "gloo", "nccl", "ray")
+from radixserve.workers.protocol import KV_TRANSFER_CHOICES
 
 
 def resolve_transport(kind: str, pool: KVPool) -> str:

@@ -98,6 +98,9 @@ class Frame:
     held_tokens: int = 0
     slots_digest: str = ""
     error: str = ""
+    # END only: what the receiver needs besides the KV to continue the request (the first sampled
+    # token, ...), small JSON values; the receiver's future resolves with it.
+    aux: dict[str, Any] | None = None
 
     @property
     def ordered(self) -> bool:

@@ -229,7 +229,7 @@ class KVReceiver:
         if handle is None:
             conn.ack(Frame(FrameKind.ACK, frame.transfer_id, error="not expected (expired or cancelled)"))
             return
-        problem = handle.complete()
+        problem = handle.complete(frame.aux)
         if problem:
             self._refuse(conn, frame.transfer_id, problem, handle)
             return

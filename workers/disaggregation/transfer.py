@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,15 +50,15 @@ class _Outcome:
     """A future that is resolved exactly once, whoever gets there first."""
 
     def __init__(self):
-        self.future: Future[None] = Future()
+        self.future: Future[Any] = Future()
         self._lock = threading.Lock()
 
-    def settle(self, error: BaseException | None = None) -> bool:
+    def settle(self, error: BaseException | None = None, value: Any = None) -> bool:
         with self._lock:
             if self.future.done():
                 return False
             if error is None:
-                self.future.set_result(None)
+                self.future.set_result(value)
             else:
                 self.future.set_exception(error)
             return True
@@ -110,7 +111,7 @@ class SendHandle:
         self._lock = threading.Lock()
 
     @property
-    def future(self) -> Future[None]:
+    def future(self) -> Future[Any]:
         return self._outcome.future
 
     @property
@@ -163,16 +164,17 @@ class SendHandle:
                 self.send_layers(layer, end, progress[layer])
             layer = end
 
-    def finish(self) -> Future[None]:
+    def finish(self, aux: dict[str, Any] | None = None) -> Future[Any]:
         """Queue the END frame (every token of every layer must have been queued) and return the
-        future, which resolves when the receiver acknowledges."""
+        future, which resolves when the receiver acknowledges. `aux` (small JSON values) travels
+        with the END frame: the receiver's future resolves with it."""
         with self._lock:
             if not self._coverage.complete:
                 raise ValueError(f"transfer {self.transfer_id!r}: finish before every layer was sent")
             if not self._finished:
                 self._finished = True
                 if not self._outcome.done():
-                    self._submit(SendOp(self, Frame(FrameKind.END, self.transfer_id)))
+                    self._submit(SendOp(self, Frame(FrameKind.END, self.transfer_id, aux=aux)))
         return self.future
 
     def cancel(self, reason: str = "cancelled by the sender") -> bool:
@@ -211,7 +213,8 @@ class RecvHandle:
         self._lock = threading.Lock()
 
     @property
-    def future(self) -> Future[None]:
+    def future(self) -> Future[Any]:
+        """Resolves with the sender's `aux` (None if it sent none) once every page is in place."""
         return self._outcome.future
 
     @property
@@ -253,8 +256,9 @@ class RecvHandle:
             self._coverage.add(piece)
             return ""
 
-    def complete(self) -> str:
-        """At END: settle successfully if every token of every layer arrived; '' or why not."""
+    def complete(self, aux: dict[str, Any] | None = None) -> str:
+        """At END: settle successfully (with the END frame's `aux`) if every token of every layer
+        arrived; '' or why not."""
         with self._lock:
             if self._outcome.done():
                 return "the receiver already ended it"
@@ -262,7 +266,7 @@ class RecvHandle:
                 return "END before every layer arrived"
             if self.view.device.type == "cuda":
                 torch.cuda.current_stream(self.view.device).synchronize()
-            self._outcome.settle(None)
+            self._outcome.settle(None, aux)
             return ""
 
     def fail(self, error: KVTransferError) -> bool:

@@ -21,6 +21,16 @@ class AddRequest:
 
 
 @dataclass(frozen=True)
+class ReserveRequest:
+    """PD, decode side: reserve KV slots for a request's sequences and start decoding them once
+    their KV arrives. `done` gets the tickets (one per sequence), or the refusal."""
+
+    reqs: list[Req]
+    stream: bool
+    done: Future
+
+
+@dataclass(frozen=True)
 class AbortRequest:
     rid: str
 
@@ -41,4 +51,4 @@ class Stop:
     """Leave the loop; requests still in flight end with an EngineError."""
 
 
-Command = AddRequest | AbortRequest | FlushCache | CacheSummary | Stop
+Command = AddRequest | ReserveRequest | AbortRequest | FlushCache | CacheSummary | Stop

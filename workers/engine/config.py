@@ -8,6 +8,7 @@ from typing import Any
 
 from radixserve.workers.distributed.parallel import ParallelConfig
 from radixserve.workers.mem_cache.radix_cache import EVICTION_POLICIES
+from radixserve.workers.protocol import KV_TRANSFER_CHOICES, ROLES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 # Only the CPU path exists; "auto" picks it. Another device is refused rather than ignored.
@@ -53,6 +54,13 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     enable_jump_forward: bool = True  # append grammar-forced tokens without a decode step each
     stream_interval: int = 1  # stream every N tokens
+    # PD disaggregation. The role is set per deployment by the application builder, never by
+    # the user; a prefill or decode engine moves KV over `kv_transfer` (auto: nccl on CUDA pools,
+    # gloo on CPU; or ray, the object store), and each side frees a transfer's slots when it has
+    # not completed within `kv_transfer_timeout_s`.
+    role: str = "unified"
+    kv_transfer: str = "auto"
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -81,7 +89,17 @@ class EngineConfig:
             raise ValueError("max_queued_requests must be >= 1 (unset for no limit)")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_transfer not in KV_TRANSFER_CHOICES:
+            raise ValueError(f"kv_transfer must be one of {KV_TRANSFER_CHOICES}, got {self.kv_transfer!r}")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError("kv_transfer_timeout_s must be > 0")
         ParallelConfig(self.tp_size, self.ep_size)  # raises for sizes without a layout
+        if self.role != "unified" and self.tp_size > 1:
+            # A prefill replica sends its own pool's KV, which at tp_size > 1 holds rank 0's heads
+            # only: refused until the transfer moves every rank's share.
+            raise ValueError("prefill/decode roles do not combine with tp_size > 1 yet")
 
     @property
     def parallel(self) -> ParallelConfig:

@@ -25,6 +25,7 @@ from radixserve.workers.engine.commands import (
     CacheSummary,
     Command,
     FlushCache,
+    ReserveRequest,
     Stop,
 )
 from radixserve.workers.engine.config import EngineConfig
@@ -108,6 +109,34 @@ class Engine:
             raise RuntimeError("engine is shut down")
         loop = asyncio.get_running_loop()
         reqs = self.core.make_reqs(request)  # validates; raises InvalidRequest
+        stream = self._register(request, reqs, loop)
+        self._inbox.put(AddRequest(reqs, request.stream))
+        return stream
+
+    def reserve(self, request: GenerateRequest) -> tuple[RequestStream, Future]:
+        """PD, decode role: reserve KV slots for the request's sequences; call from a running
+        event loop. The future resolves with one KV ticket (a dict) per sequence, for the prefill
+        replica, or fails with QueueFull when the slots are not there now (the stream then ends
+        with nothing). Once a sequence's KV and first token arrived, its chunks come on the
+        stream, from the second token on."""
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+        loop = asyncio.get_running_loop()
+        reqs = self.core.make_reqs(request)
+        stream = self._register(request, reqs, loop)
+        done: Future = Future()
+
+        def refused(f: Future) -> None:
+            if f.exception() is not None:
+                self._unregister(request.rid)
+
+        done.add_done_callback(refused)
+        self._inbox.put(ReserveRequest(reqs, request.stream, done))
+        return stream, done
+
+    def _register(
+        self, request: GenerateRequest, reqs: list, loop: asyncio.AbstractEventLoop
+    ) -> RequestStream:
         limit = self.config.max_queued_requests
         with self._lock:
             if (failure := self._stopped_by()) is not None:
@@ -119,8 +148,14 @@ class Engine:
             stream = RequestStream(request.rid, len(reqs), loop)
             self._streams[request.rid] = stream
             self._open_sequences += len(reqs)
-        self._inbox.put(AddRequest(reqs, request.stream))
         return stream
+
+    def _unregister(self, rid: str) -> None:
+        """A request the engine thread refused before taking it in."""
+        with self._lock:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._open_sequences -= stream.n - stream.finals_sent
 
     def num_queued(self) -> int:
         """Sequences submitted and not yet running (in the inbox, the grammar queue or the

@@ -17,6 +17,7 @@ them gets an EngineError on its stream, and the others keep running.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -33,11 +34,13 @@ from radixserve.workers.engine.commands import (
     CacheSummary,
     Command,
     FlushCache,
+    ReserveRequest,
     Stop,
 )
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.grammar_queue import GrammarQueue
 from radixserve.workers.engine.inflight import InflightRequests
+from radixserve.workers.engine.kv_handoff import KVHandoff
 from radixserve.workers.engine.output_processor import OutputProcessor
 from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.request_builder import RequestBuilder
@@ -64,6 +67,7 @@ logger = logging.getLogger("radixserve.engine")
 DEFAULT_CPU_MEM_FRACTION = 0.2
 IDLE_POLL_S = 0.5
 GRAMMAR_POLL_S = 0.002  # while only grammar compiles are pending
+TRANSFER_POLL_S = 0.002  # while only KV transfers are pending
 
 
 class EngineCore:
@@ -134,6 +138,18 @@ class EngineCore:
         self._prev: ForwardJob | None = None  # overlap: the step whose text is still to do
         self._outbox: list[tuple[str, Any]] = []  # produced between steps, delivered by the next
         self.inflight = InflightRequests(self.outputs)
+        self.handoff: KVHandoff | None = None
+        if config.role != "unified":
+            self.handoff = KVHandoff(
+                config.role,
+                config.kv_transfer,
+                config.kv_transfer_timeout_s,
+                self.scheduler,
+                self.outputs,
+                self.inflight,
+                self.served_model_name,
+                _fingerprint(loaded),
+            )
         self.timing = StepStats()
         self.counters = dict(computed_tokens_total=0)
         # Published at every step boundary, replaced whole (never mutated): any thread may read it.
@@ -153,7 +169,21 @@ class EngineCore:
     def make_reqs(self, request: GenerateRequest) -> list[Req]:
         """Validate a request and build its n sequences; raises InvalidRequest. Pure: it touches
         no engine state (the engine thread registers the request when it adds it)."""
-        return self.requests.build(request)
+        reqs = self.requests.build(request)
+        if request.kv_tickets is not None:
+            if self.config.role != "prefill":
+                raise InvalidRequest("KV tickets are for prefill replicas only", "kv_tickets")
+            if len(request.kv_tickets) != len(reqs):
+                raise InvalidRequest(
+                    f"{len(request.kv_tickets)} KV tickets for {len(reqs)} sequences", "kv_tickets"
+                )
+            from radixserve.workers.disaggregation import KVTicket
+
+            for req, ticket in zip(reqs, request.kv_tickets):
+                req.kv_ticket = KVTicket.from_dict(ticket)
+                if req.kv_ticket.held_tokens + len(req.kv_ticket.dst_slots) != len(req.origin_input_ids):
+                    raise InvalidRequest("the KV ticket does not cover the prompt", "kv_tickets")
+        return reqs
 
     def num_running(self) -> int:
         """Sequences in the running batch."""
@@ -165,12 +195,18 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return (
-            self.scheduler.has_work() or bool(self.grammars) or self._prev is not None or bool(self._outbox)
+            self.scheduler.has_work()
+            or bool(self.grammars)
+            or self._prev is not None
+            or bool(self._outbox)
+            or (self.handoff is not None and self.handoff.busy())
         )
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
+        pd = self.handoff.stats() if self.handoff is not None else {}
         return dict(
+            role=self.config.role,
             running=len(sched.running),
             queued=len(sched.waiting),
             kv_total=self.pool.size,
@@ -182,6 +218,7 @@ class EngineCore:
             **self.inflight.counters,
             **self.outputs.counters,
             **self.timing.summary(),
+            **pd,
         )
 
     # Commands (engine thread, between steps) -------------------------------------------------
@@ -190,6 +227,8 @@ class EngineCore:
         match cmd:
             case AddRequest():
                 self.add(cmd.reqs, cmd.stream)
+            case ReserveRequest():
+                self.reserve(cmd.reqs, cmd.stream, cmd.done)
             case AbortRequest():
                 self.abort(cmd.rid)
             case FlushCache():
@@ -217,6 +256,26 @@ class EngineCore:
                 rid, EngineError(f"starting the grammar compile failed: {exc!r}"), self._outbox
             )
 
+    def reserve(self, reqs: list[Req], stream: bool, done: Future) -> None:
+        """PD decode: reserve the sequences' slots and tickets; they start once their KV is in."""
+        if self.handoff is None or self.config.role != "decode":
+            done.set_exception(InvalidRequest("this replica does not decode for others", "role"))
+            return
+        try:
+            tickets = self.handoff.reserve(reqs)
+        except Exception as exc:
+            done.set_exception(exc)
+            return
+        self.inflight.add(reqs, stream)
+        if reqs[0].params.grammar is not None:
+            try:
+                self.grammars.add(reqs)
+            except Exception as exc:
+                self.inflight.fail(
+                    reqs[0].rid, EngineError(f"starting the grammar compile failed: {exc!r}"), self._outbox
+                )
+        done.set_result(tickets)
+
     def abort(self, rid: str) -> None:
         for r in self.inflight.get(rid):
             if r.finish_reason is None:  # one that finished already keeps its reason
@@ -228,7 +287,8 @@ class EngineCore:
         went out are released first (that normally waits for the next step boundary, and in overlap
         mode for the forward that still included them), so a client that got its answer can flush."""
         self._release_finished()
-        if self.inflight or self.scheduler.has_work():  # inflight: a request still owes a chunk
+        busy = self.handoff is not None and self.handoff.busy()
+        if self.inflight or self.scheduler.has_work() or busy:  # inflight: a request owes a chunk
             return False
         return bool(self.cache.reset())
 
@@ -241,6 +301,8 @@ class EngineCore:
         """How long the loop may block for new commands: not at all while there is work."""
         if self.scheduler.has_work() or self._prev is not None or self._outbox:
             return None
+        if self.handoff is not None and self.handoff.busy():
+            return TRANSFER_POLL_S
         return GRAMMAR_POLL_S if self.grammars else IDLE_POLL_S
 
     # One step --------------------------------------------------------------------------------
@@ -317,7 +379,10 @@ class EngineCore:
         """Step-boundary housekeeping (nothing is in flight), then the next plan and its tensors."""
         if self.grammars:
             for req in self.grammars.poll(self.inflight, out):
-                self.scheduler.add(req)
+                if self.handoff is None or not self.handoff.grammar_ready(req):
+                    self.scheduler.add(req)
+        if self.handoff is not None:
+            self.handoff.poll(out)
         for req in self.scheduler.take_aborted():
             if req.error is not None:
                 self.inflight.fail(req.rid, EngineError(req.error), out)
@@ -341,7 +406,10 @@ class EngineCore:
         """Free the KV of sequences that finished since the last boundary (their final chunk may
         have gone out already). A stop string can finish a retracted sequence: it leaves the queue."""
         for req in [r for r in self.scheduler.running if r.finish_reason is not None]:
-            self.scheduler.finish(req)
+            if self.handoff is not None and self.handoff.detach(req):
+                self.scheduler.running.remove(req)  # its slots stay locked until the send settles
+            else:
+                self.scheduler.finish(req)
         if any(r.finish_reason is not None for r in self.scheduler.waiting):
             for req in [r for r in self.scheduler.waiting if r.finish_reason is not None]:
                 req.status = ReqStatus.FINISHED
@@ -362,6 +430,8 @@ class EngineCore:
             try:
                 self.worker.check_fault("tokens", req)
                 self.outputs.append_sampled(req, job.tokens[k], job.logprobs[k] if job.logprobs else None)
+                if req.kv_ticket is not None and self.handoff is not None and len(req.output_ids) == 1:
+                    self.handoff.start_send(req)
             except InvalidRequest as exc:  # the request's own grammar led nowhere: a 400, not a 500
                 self.inflight.fail(req.rid, exc, out)
             except Exception as exc:
@@ -410,12 +480,26 @@ class EngineCore:
             req.status = ReqStatus.FINISHED
         self.scheduler.waiting.clear()
         self.grammars.clear()
+        if self.handoff is not None:
+            self.handoff.fail_all()
         return out
 
     def close(self) -> None:
         self.worker.close()
         self.grammars.close()
         self.tp.stop()
+        if self.handoff is not None:
+            self.handoff.close()
+
+
+def _fingerprint(loaded: Any) -> str:
+    """The model's identity for the KV transfer handshake: prefill and decode must agree."""
+    from radixserve.workers.disaggregation import model_fingerprint
+
+    mc = loaded.config
+    is_instance = dataclasses.is_dataclass(mc) and not isinstance(mc, type)
+    config = dataclasses.asdict(mc) if is_instance else dict(vars(mc))
+    return model_fingerprint(config, loaded.model.state_dict().items())
 
 
 def _answer(fut: Future, fn: Callable[[], Any]) -> None:

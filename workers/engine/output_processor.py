@@ -69,6 +69,12 @@ class OutputProcessor:
             return
         self.append_token(req, token, logprob)
         self.counters["generation_tokens_total"] += 1
+        if req.kv_ticket is not None:
+            # PD prefill: the first token is all this replica samples; the decode replica goes on
+            # from the same state (tokens a grammar forces right after this one are sampled
+            # there, a step each, instead of jumped over: the same tokens, more steps).
+            req.finish("handoff")
+            return
         # Jump-forward appends several tokens at once; a stop string among them must cut the
         # output where it ends, so these sequences are detokenized token by token here.
         eager = req.grammar is not None and bool(req.params.stop)
@@ -150,7 +156,10 @@ class OutputProcessor:
         final = req.finish_reason is not None
         if final:
             out = self.pending.pop(req.key, None) or PendingOutput()
-            out.text += req.detokenizer.flush() if req.detokenizer is not None else ""
+            # A PD prefill keeps back what its detokenizer holds: the decode replica, which
+            # replays the first token, sends it when (and if) it is due.
+            if req.detokenizer is not None and req.kv_ticket is None:
+                out.text += req.detokenizer.flush()
         elif out is None or len(out.token_ids) < self.stream_interval:
             return None
         else:
@@ -170,6 +179,12 @@ class OutputProcessor:
             chunk.cached_tokens = req.cached_tokens or 0
             chunk.e2e_latency = time.monotonic() - req.arrival
         return chunk
+
+    def mark_sent(self, req: Req) -> None:
+        """What the sequence produced so far went out from another replica (PD: the prefill
+        replica sent the first token): forget it unsent. Call after `detokenize`, so that the
+        detokenizer's state includes it."""
+        self.pending.pop(req.key, None)
 
     def drop(self, req: Req) -> None:
         """Forget what a failed sequence produced and did not send: it is never sent."""

@@ -58,6 +58,9 @@ class Req:
         self.detokenizer: Any = None
         self.grammar: Any = None
         self.aborted = False
+        # PD, prefill side: where this sequence's KV goes (a KVTicket) once its first token is
+        # sampled; the sequence stops there.
+        self.kv_ticket: Any = None
         # Why the engine failed this sequence (the client gets an EngineError). Its KV past the
         # cached prefix is then freed, never published: the step that failed may not have written it.
         self.error: str | None = None

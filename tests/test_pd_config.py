@@ -1,0 +1,72 @@
+"""`radixserve serve --pd ...`: the flags, their config fields and the deployments they build."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.cluster.app import replica_options
+from radixserve.cluster.config import ServerArgs, parse_cli
+
+
+def test_pd_flags_are_config_fields():
+    args = parse_cli(
+        [
+            "--pd",
+            "--prefill-replicas",
+            "2",
+            "--decode-replicas",
+            "3",
+            "--prefill-num-cpus",
+            "1.5",
+            "--decode-num-cpus",
+            "0.5",
+            "--kv-transfer",
+            "ray",
+            "--pd-on-failure",
+            "error",
+        ]
+    )
+    d = args.deployment
+    assert (d.pd, d.prefill_replicas, d.decode_replicas) == (True, 2, 3)
+    assert (d.prefill_num_cpus, d.decode_num_cpus, d.pd_on_failure) == (1.5, 0.5, "error")
+    assert args.engine.kv_transfer == "ray" and args.engine.role == "unified"
+    flat = args.to_dict()
+    assert "role" not in flat and ServerArgs.from_dict(flat) == args  # the YAML / build_app form
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kv-transfer", "tcp"],
+        ["--pd-on-failure", "retry"],
+        ["--role", "prefill"],
+        ["--prefill-replicas", "0"],
+    ],
+)
+def test_bad_pd_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_cli(argv)
+
+
+def test_role_is_not_a_user_setting():
+    with pytest.raises(ValueError, match="unknown server argument"):
+        ServerArgs.from_dict({"role": "decode"})
+
+
+def test_each_pool_gets_its_name_replicas_cpus_and_policy():
+    args = ServerArgs.from_dict(
+        {"pd": True, "prefill_replicas": 2, "decode_replicas": 1, "prefill_num_cpus": 2, "decode_num_cpus": 1}
+    )
+    p, d = replica_options(args, "prefill"), replica_options(args, "decode")
+    assert (p["name"], p["num_replicas"], p["ray_actor_options"]) == ("PrefillReplica", 2, {"num_cpus": 2})
+    assert (d["name"], d["num_replicas"], d["ray_actor_options"]) == ("DecodeReplica", 1, {"num_cpus": 1})
+    # Prefill by prefix affinity once there is a choice; decode by load.
+    assert p["request_router_config"].request_router_kwargs["policy"] == "cache_aware"
+    assert d["request_router_config"].request_router_kwargs["policy"] == "power_of_two"
+    ingress = args.ingress_config()
+    assert ingress.policy.policy == "cache_aware" and ingress.decode_policy.policy == "power_of_two"
+    assert ingress.pd_on_failure == "recompute"
+    # Each pool autoscales on its own bounds.
+    scaled = ServerArgs.from_dict({"pd": True, "decode_min_replicas": 1, "decode_max_replicas": 3})
+    assert "autoscaling_config" in replica_options(scaled, "decode")
+    assert "autoscaling_config" not in replica_options(scaled, "prefill")

@@ -1,0 +1,207 @@
+"""PD disaggregation at the engine level, without Ray: a prefill and a decode engine in one
+process over loopback gloo, driven as the ingress drives them (reserve on decode, prefill with
+the tickets, first token from prefill, the rest from decode), against a unified engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+from radixserve.workers import Engine
+from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams, TransferFailed
+from tests.engine_utils import assert_kv_invariant
+from tests.tiny_models import make_tiny_checkpoint
+
+POOL = 2048
+ENGINE_ARGS = dict(dtype="float32", max_total_tokens=POOL, chunked_prefill_size=32, kv_transfer="gloo")
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    list(range(100, 170)),  # several prefill chunks
+    [42] * 5,
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("pd"), "llama")
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    unified = Engine(checkpoint, **ENGINE_ARGS)
+    prefill = Engine(checkpoint, role="prefill", kv_transfer_timeout_s=10.0, **ENGINE_ARGS)
+    decode = Engine(checkpoint, role="decode", kv_transfer_timeout_s=15.0, **ENGINE_ARGS)
+    yield unified, prefill, decode
+    for e in (unified, prefill, decode):
+        e.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def idle(request):
+    yield
+    if "engines" in request.fixturenames:
+        for e in request.getfixturevalue("engines"):
+            assert_kv_invariant(e)
+            assert not e.core.has_work()
+
+
+def merge(outs: dict[int, dict], chunk: OutputChunk, final: bool) -> None:
+    o = outs.setdefault(chunk.index, {"ids": [], "text": "", "logprobs": [], "finish": None, "meta": {}})
+    o["ids"] += chunk.token_ids
+    o["text"] += chunk.text
+    o["logprobs"] += [lp.token_id for lp in chunk.logprobs or []]
+    if final and chunk.finished:
+        o["finish"] = chunk.finish_reason
+        o["meta"] = dict(
+            prompt=chunk.prompt_tokens, completion=chunk.completion_tokens, cached=chunk.cached_tokens
+        )
+
+
+async def pd_run(prefill: Engine, decode: Engine, req: GenerateRequest) -> dict[int, dict]:
+    dstream, done = decode.reserve(req)
+    tickets = await asyncio.wrap_future(done)
+    assert len(tickets) == req.sampling_params.n
+    outs: dict[int, dict] = {}
+    async for chunk in prefill.submit(dataclasses.replace(req, kv_tickets=tickets)):
+        merge(outs, chunk, final=False)
+    async for chunk in dstream:
+        merge(outs, chunk, final=True)
+    return outs
+
+
+async def unified_run(engine: Engine, req: GenerateRequest) -> dict[int, dict]:
+    outs: dict[int, dict] = {}
+    async for chunk in engine.submit(req):
+        merge(outs, chunk, final=True)
+    return outs
+
+
+def run_both(engines, ids, params: dict, stream: bool = True):
+    unified, prefill, decode = engines
+    sp = SamplingParams.from_dict(params)
+    pd = asyncio.run(pd_run(prefill, decode, GenerateRequest(list(ids), sp, stream=stream)))
+    ref = asyncio.run(unified_run(unified, GenerateRequest(list(ids), sp, stream=stream)))
+    return pd, ref
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_pd_greedy_equals_unified(engines, stream):
+    for ids in PROMPTS:
+        pd, ref = run_both(engines, ids, {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}, stream)
+        assert pd[0]["ids"] == ref[0]["ids"] and len(ref[0]["ids"]) == 9
+        assert pd[0]["text"] == ref[0]["text"]
+        assert pd[0]["finish"]["type"] == ref[0]["finish"]["type"] == "length"
+        assert pd[0]["meta"]["prompt"] == ref[0]["meta"]["prompt"] == len(ids)
+        assert pd[0]["meta"]["completion"] == 9
+
+
+def test_pd_n_logprobs_stop_and_penalties(engines):
+    params = {
+        "max_new_tokens": 7,
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 3,
+        "logprobs": True,
+        "repetition_penalty": 1.3,
+        "frequency_penalty": 0.5,
+    }
+    pd, ref = run_both(engines, PROMPTS[0], params)
+    assert sorted(pd) == [0, 1, 2]
+    for i in range(3):
+        assert pd[i]["ids"] == ref[i]["ids"]
+        assert pd[i]["logprobs"] == pd[i]["ids"]  # one logprob per token, the first one included
+    # A stop string inside the output: cut at the same place, the stop text withheld.
+    full = ref[0]["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    if stop.strip():
+        pd, ref = run_both(engines, PROMPTS[0], {"max_new_tokens": 7, "temperature": 0, "stop": [stop]})
+        assert pd[0]["text"] == ref[0]["text"] and pd[0]["finish"] == ref[0]["finish"]
+
+
+def test_pd_first_token_can_end_the_request(engines):
+    pd, ref = run_both(engines, PROMPTS[0], {"max_new_tokens": 1, "temperature": 0})
+    assert pd[0]["ids"] == ref[0]["ids"] and len(pd[0]["ids"]) == 1
+    assert pd[0]["text"] == ref[0]["text"]
+    assert pd[0]["finish"]["type"] == "length"
+
+
+def test_pd_json_schema(engines):
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    params = {"max_new_tokens": 24, "temperature": 0, "json_schema": schema}
+    pd, ref = run_both(engines, PROMPTS[0], params)
+    assert pd[0]["ids"] == ref[0]["ids"]
+    assert pd[0]["text"] == ref[0]["text"]
+    assert pd[0]["finish"] == ref[0]["finish"]
+
+
+def test_follow_up_turn_moves_only_new_tokens_and_reports_cached(engines):
+    _, prefill, decode = engines
+    first = list(range(300, 340))
+    run_both(engines, first, {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+    before = decode.stats()["pd_bytes_received_total"]
+    pd, _ = run_both(engines, first + [7, 8, 9], {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+    moved = decode.stats()["pd_bytes_received_total"] - before
+    per_token = decode.core.pool.size and decode.stats()["pd_bytes_received_total"] // (
+        decode.stats()["pd_transfers_received_total"] or 1
+    )
+    assert 0 < moved < per_token  # 4 tokens (the last cached one is recomputed), not 43
+    assert pd[0]["meta"]["cached"] == 40  # the prefill replica's hit: the first turn's prompt
+    assert decode.stats()["pd_bytes_saved_total"] > 0
+    assert prefill.stats()["pd_transfers_sent_total"] >= 2
+
+
+def test_abort_while_reserved_frees_the_decode_side(engines):
+    _, _, decode = engines
+
+    async def go():
+        req = GenerateRequest(list(PROMPTS[1]), SamplingParams(max_new_tokens=4, temperature=0))
+        stream, done = decode.reserve(req)
+        await asyncio.wrap_future(done)
+        assert decode.stats()["kv_free"] < POOL
+        decode.abort(req.rid)
+        chunks = [c async for c in stream]
+        assert chunks[-1].finish_reason["type"] == "abort"
+
+    asyncio.run(go())
+
+
+def test_transfer_timeout_fails_clearly_and_frees(engines):
+    _, _, decode = engines  # its transfers time out after 15 s
+
+    async def go():
+        req = GenerateRequest(list(PROMPTS[0]), SamplingParams(max_new_tokens=4, temperature=0))
+        stream, done = decode.reserve(req)
+        await asyncio.wrap_future(done)
+        with pytest.raises(TransferFailed, match="KV transfer failed"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(go())
+
+
+def test_decode_side_gone_after_reserving_the_prefill_side_frees_its_slots(engines, checkpoint):
+    """The decode engine (and its transfer engine) stops after handing out a ticket: the prefill
+    replica still answers with the first token, its send fails (at the latest at its 10 s
+    deadline: the dead receiver's store is retried until then), and its slots come back."""
+    _, prefill, _ = engines
+    gone = Engine(checkpoint, role="decode", **ENGINE_ARGS)
+
+    async def go():
+        req = GenerateRequest(list(PROMPTS[2]), SamplingParams(max_new_tokens=4, temperature=0))
+        stream, done = gone.reserve(req)
+        tickets = await asyncio.wrap_future(done)
+        gone.shutdown()
+        with pytest.raises(Exception, match="engine shut down"):
+            async for _ in stream:
+                pass
+        failed = prefill.stats()["pd_transfers_failed_total"]
+        chunks = [c async for c in prefill.submit(dataclasses.replace(req, kv_tickets=tickets))]
+        assert len(chunks) == 1 and len(chunks[0].token_ids) == 1
+        return failed
+
+    failed = asyncio.run(go())
+    assert_kv_invariant(prefill)  # waits until the send settled and the slots are back
+    assert prefill.stats()["pd_transfers_failed_total"] == failed + 1

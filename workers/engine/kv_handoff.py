@@ -1,0 +1,286 @@
+"""KVHandoff: the engine's side of prefill/decode disaggregation. Engine thread only.
+
+Decode role: `reserve` matches each sequence's prompt against this replica's radix cache (and
+locks the hit), allocates slots for the rest and registers them with the KV transfer engine; the
+tickets go back to the router, which hands them to a prefill replica. The sequence waits here,
+out of the scheduler, until its KV arrived with the first token the prefill replica sampled;
+`poll` then inserts the prompt into the radix tree and admits the sequence straight into the
+running batch with that token as its first output (grammar, penalties, stop strings and counts
+see it; the client got it from the prefill replica, so it is not sent again).
+
+Prefill role: a sequence that carries a ticket is computed as any other and stops after its first
+token (OutputProcessor), whose chunk goes out at once; `start_send` then queues its prompt's KV
+(all layers) to the decode replica, and the sequence keeps its slots locked here until the send
+settled or its lease ran out. Its prompt stays in this replica's tree.
+
+Either way a transfer that does not settle within `kv_transfer_timeout_s` frees its slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.workers.disaggregation import (
+    KVTicket,
+    KVTransferConfig,
+    KVTransferEngine,
+    RecvHandle,
+    SendHandle,
+    create_kv_transfer_engine,
+)
+from radixserve.workers.engine.inflight import InflightRequests
+from radixserve.workers.engine.output_processor import OutputProcessor
+from radixserve.workers.engine.request import Req, ReqStatus
+from radixserve.workers.engine.schedule_policy import match_key
+from radixserve.workers.engine.scheduler import Scheduler
+from radixserve.workers.protocol import QueueFull, TransferFailed
+
+logger = logging.getLogger("radixserve.engine")
+
+# A send outlives its own deadline (the transfer engine fails it then) by at most this before
+# its slots are taken back regardless.
+LEASE_GRACE_S = 5.0
+
+
+@dataclass
+class _Send:
+    req: Req
+    handle: SendHandle
+    lease_end: float
+    detached: bool = False  # out of the running batch: its slots are this table's to release
+
+
+class KVHandoff:
+    def __init__(
+        self,
+        role: str,
+        kv_transfer: str,
+        timeout_s: float,
+        scheduler: Scheduler,
+        outputs: OutputProcessor,
+        inflight: InflightRequests,
+        served_model_name: str,
+        fingerprint: str,
+    ):
+        self.role = role
+        self.timeout_s = timeout_s
+        self.scheduler = scheduler
+        self.cache = scheduler.cache
+        self.pool = scheduler.pool
+        self.outputs = outputs
+        self.inflight = inflight
+        self.replica_id = f"{role}-{uuid.uuid4().hex[:8]}"
+        self.transfer: KVTransferEngine = create_kv_transfer_engine(
+            kv_transfer,
+            self.pool,
+            self.replica_id,
+            served_model_name,
+            fingerprint,
+            KVTransferConfig(transfer_timeout=timeout_s),
+        )
+        self.receiving: dict[str, tuple[Req, RecvHandle]] = {}  # decode: by sequence key
+        self.landed: dict[str, tuple[Req, dict[str, Any]]] = {}  # decode: KV in, grammar pending
+        self.sending: dict[str, _Send] = {}  # prefill: by sequence key
+        self.counters = dict(
+            pd_transfers_received_total=0,
+            pd_transfers_sent_total=0,
+            pd_transfers_failed_total=0,
+        )
+
+    def busy(self) -> bool:
+        return bool(self.receiving or self.landed or self.sending)
+
+    def detach(self, req: Req) -> bool:
+        """A finished sequence leaves the running batch: True if its slots stay locked here for a
+        send in progress (released when it settles), False if the scheduler releases them."""
+        send = self.sending.get(req.key)
+        if send is None:
+            return False
+        send.detached = True
+        return True
+
+    # Decode side -----------------------------------------------------------------------------
+    def reserve(self, reqs: list[Req]) -> list[dict[str, Any]]:
+        """Slots and a ticket for each sequence's prompt past the cached prefix; all or none
+        (raises QueueFull when the rows or the KV pool cannot take them now)."""
+        tickets = []
+        try:
+            for req in reqs:
+                tickets.append(self._reserve_one(req).ticket.to_dict())
+        except BaseException:
+            for req in reqs:
+                entry = self.receiving.pop(req.key, None)
+                if entry is not None:
+                    entry[1].cancel("reservation refused")
+                    self._free_reserved(req)
+            raise
+        return tickets
+
+    def _reserve_one(self, req: Req) -> RecvHandle:
+        row = self.scheduler.req_pool.alloc()
+        if row is None:
+            raise QueueFull("the decode replica has no room for another running sequence; retry later")
+        match = self.cache.match_prefix(match_key(req), req.namespace)
+        self.cache.lock(match.node)
+        need = len(req.origin_input_ids) - len(match.slots)
+        last = match.slots[-1] if match.slots else None
+        slots = self.pool.alloc(need, last)
+        if slots is None:
+            self.cache.evict(need + self.pool.page_size - self.pool.available())
+            slots = self.pool.alloc(need, last)
+        if slots is None:
+            self.cache.unlock(match.node)
+            self.scheduler.req_pool.free(row)
+            raise QueueFull("the decode replica's KV pool is full; retry later")
+        req.row, req.table_len = row, 0
+        req.kv_slots = list(match.slots) + list(slots)
+        req.cache_len, req.last_node = len(match.slots), match.node
+        transfer_id = f"{req.key}@{uuid.uuid4().hex[:12]}"
+        try:
+            handle = self.transfer.expect(transfer_id, slots, len(match.slots), timeout=self.timeout_s)
+        except BaseException:
+            self._free_reserved(req)
+            raise
+        self.receiving[req.key] = (req, handle)
+        return handle
+
+    def _free_reserved(self, req: Req) -> None:
+        """Give back a reservation whose KV never (fully) arrived: the cached prefix is unlocked,
+        the slots past it are freed unread."""
+        if req.row is None:
+            return
+        self.pool.free(req.kv_slots[req.cache_len :])
+        self.cache.unlock(req.last_node)
+        self.scheduler.req_pool.free(req.row)
+        req.kv_slots, req.cache_len, req.last_node = [], 0, None
+        req.row, req.table_len = None, 0
+        req.status = ReqStatus.FINISHED
+
+    def _poll_receiving(self, out: list) -> None:
+        for key, (req, handle) in list(self.receiving.items()):
+            if req.aborted:
+                handle.cancel("the request ended")
+            elif not handle.done():
+                continue
+            del self.receiving[key]
+            error = None if req.aborted else handle.future.exception()
+            if req.aborted or error is not None:
+                self._free_reserved(req)
+                if error is not None:
+                    self.counters["pd_transfers_failed_total"] += 1
+                    self.inflight.fail(req.rid, TransferFailed(f"KV transfer failed: {error}"), out)
+                elif self.inflight.owes(req):
+                    self.inflight.emit_final(req, out)
+                continue
+            self.counters["pd_transfers_received_total"] += 1
+            self.landed[key] = (req, handle.future.result() or {})
+        for key, (req, aux) in list(self.landed.items()):
+            if req.aborted:
+                del self.landed[key]
+                self._free_reserved(req)
+                if self.inflight.owes(req):
+                    self.inflight.emit_final(req, out)
+            elif req.params.grammar is None or req.grammar is not None:
+                del self.landed[key]
+                self._admit(req, aux, out)
+
+    def _admit(self, req: Req, aux: dict[str, Any], out: list) -> None:
+        """The KV is in: publish the prompt to the tree, then continue from the first token."""
+        prefix = self.cache.cache_unfinished(req.origin_input_ids, req.kv_slots, req.last_node, req.namespace)
+        req.kv_slots, req.last_node = list(prefix.slots), prefix.node
+        req.cache_len = len(prefix.slots) - (len(prefix.slots) % self.pool.page_size)
+        req.table_len = 0
+        req.cached_tokens = int(aux.get("cached_tokens", req.cached_tokens or 0))
+        req.status = ReqStatus.RUNNING
+        self.scheduler.running.append(req)
+        try:
+            self.outputs.append_token(req, int(aux["token"]), None)
+            self.outputs.detokenize(req)
+            self.outputs.mark_sent(req)
+        except Exception as exc:
+            self.inflight.fail(
+                req.rid, TransferFailed(f"continuing from the first token failed: {exc!r}"), out
+            )
+            return
+        if req.finish_reason is not None:
+            self.inflight.emit_final(req, out)
+
+    def grammar_ready(self, req: Req) -> bool:
+        """A compiled grammar came back for a sequence waiting here: True if it is ours (it is
+        admitted once its KV is in as well), False if it belongs to the scheduler."""
+        return req.key in self.receiving or req.key in self.landed
+
+    # Prefill side ----------------------------------------------------------------------------
+    def start_send(self, req: Req) -> None:
+        """Queue the KV of the ticket's tokens of a sequence that just sampled its first token."""
+        ticket: KVTicket = req.kv_ticket
+        end = len(req.origin_input_ids)
+        src = req.kv_slots[ticket.held_tokens : end]
+        try:
+            handle = self.transfer.send(ticket, src, timeout=self.timeout_s)
+            handle.send_all()
+            handle.finish({"token": req.output_ids[0], "cached_tokens": req.cached_tokens or 0})
+        except Exception:
+            # The decode side fails the request at its deadline (or when the router cancels it).
+            logger.exception("request %s: starting the KV transfer failed", req.rid)
+            self.counters["pd_transfers_failed_total"] += 1
+            return
+        self.sending[req.key] = _Send(req, handle, time.monotonic() + self.timeout_s + LEASE_GRACE_S)
+
+    def _poll_sending(self) -> None:
+        now = time.monotonic()
+        for key, send in list(self.sending.items()):
+            req, handle = send.req, send.handle
+            if not send.detached:
+                continue  # still in the batch until the next step boundary
+            if not handle.done():
+                if now < send.lease_end:
+                    continue
+                handle.cancel("the sender's lease ran out")
+            del self.sending[key]
+            if handle.future.exception() is None:
+                self.counters["pd_transfers_sent_total"] += 1
+            else:
+                self.counters["pd_transfers_failed_total"] += 1
+                logger.warning("request %s: KV transfer failed: %s", req.rid, handle.future.exception())
+            self.scheduler.release(req)
+
+    # Both ------------------------------------------------------------------------------------
+    def poll(self, out: list) -> None:
+        """At a step boundary: settle what the transfer engine finished."""
+        if self.receiving or self.landed:
+            self._poll_receiving(out)
+        if self.sending:
+            self._poll_sending()
+
+    def fail_all(self) -> None:
+        """Drop every transfer and give its slots back (the requests were failed already)."""
+        for req, handle in self.receiving.values():
+            handle.cancel("the engine stopped")
+            self._free_reserved(req)
+        for req, _aux in self.landed.values():
+            self._free_reserved(req)
+        for send in self.sending.values():
+            send.handle.cancel("the engine stopped")
+            if send.detached:  # the others leave the batch with it (EngineCore.fail_all)
+                self.scheduler.release(send.req)
+        self.receiving.clear()
+        self.landed.clear()
+        self.sending.clear()
+
+    def stats(self) -> dict[str, Any]:
+        snap = self.transfer.stats_snapshot()
+        total = snap.get("total", {}) if isinstance(snap, dict) else {}
+        return {
+            **self.counters,
+            "pd_bytes_sent_total": int(total.get("bytes_sent", 0)),
+            "pd_bytes_received_total": int(total.get("bytes_received", 0)),
+            "pd_bytes_saved_total": int(total.get("bytes_saved", 0)),
+        }
+
+    def close(self) -> None:
+        self.transfer.close()
