@@ -70,3 +70,10 @@ def test_each_pool_gets_its_name_replicas_cpus_and_policy():
     scaled = ServerArgs.from_dict({"pd": True, "decode_min_replicas": 1, "decode_max_replicas": 3})
     assert "autoscaling_config" in replica_options(scaled, "decode")
     assert "autoscaling_config" not in replica_options(scaled, "prefill")
+
+
+def test_pd_with_tensor_parallel_replicas_is_refused_at_start_up():
+    """A prefill replica's pool holds rank 0's heads only at tp_size > 1: PD refuses it up front."""
+    with pytest.raises(ValueError, match="tp_size > 1"):
+        ServerArgs.from_dict({"pd": True, "tp": 3})
+    assert ServerArgs.from_dict({"tp": 3}).engine.tp_size == 3  # unified TP is fine
