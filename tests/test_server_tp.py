@@ -12,7 +12,7 @@ import httpx
 import pytest
 import ray
 
-from tests.serve_utils import running_app
+from tests.serve_utils import running_app, wait_idle
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
@@ -37,19 +37,6 @@ def replica(http) -> dict:
     return r
 
 
-def wait_idle(http, timeout: float = 30.0) -> dict:
-    """Rank 0's idle invariant: every slot free or evictable, none locked. (The other rank holds no
-    allocator state to check: its pool is never allocated from.)"""
-    deadline = time.monotonic() + timeout
-    while True:
-        r = replica(http)
-        if r["running"] == 0 and r["queued"] == 0 and r["kv_protected"] == 0:
-            assert r["kv_free"] + r["kv_evictable"] == r["kv_total"] == KV_TOTAL, r
-            return r
-        assert time.monotonic() < deadline, f"not idle after {timeout}s: {r}"
-        time.sleep(0.1)
-
-
 def rank_actors() -> list[tuple[str, str]]:
     return sorted(
         (a["namespace"], a["name"])
@@ -69,11 +56,11 @@ def test_streaming_equals_non_streaming(http):
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == text
     assert len(rank_actors()) == 1  # rank 1 of the one replica
-    wait_idle(http)
+    wait_idle(http, KV_TOTAL)  # rank 0's; the other rank's pool is never allocated from
 
 
 def test_abort_frees_the_kv(http):
-    wait_idle(http)
+    wait_idle(http, KV_TOTAL)  # rank 0's; the other rank's pool is never allocated from
     rid = f"abort-me-{uuid.uuid4().hex}"
     body = {
         "prompt": "Write a long story.",
@@ -90,7 +77,7 @@ def test_abort_frees_the_kv(http):
         events = [line[6:] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
-    wait_idle(http)
+    wait_idle(http, KV_TOTAL)  # rank 0's; the other rank's pool is never allocated from
 
 
 def test_a_killed_rank_takes_its_replica_down_and_serve_replaces_it(url, http):
@@ -125,4 +112,4 @@ def test_a_killed_rank_takes_its_replica_down_and_serve_replaces_it(url, http):
     assert new in new_name
     full = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert full.status_code == 200 and full.json()["usage"]["completion_tokens"] == 4
-    wait_idle(http)
+    wait_idle(http, KV_TOTAL)  # rank 0's; the other rank's pool is never allocated from
