@@ -418,6 +418,11 @@ class ReplicaStats:
     generation_tokens_total: int = 0
     num_requests_total: int = 0
     num_aborted_total: int = 0
+    # PD: K/V payload bytes this replica sent (prefill) or received (decode), and the bytes of the
+    # pages a transfer did not move because the decode replica already held them.
+    pd_bytes_sent_total: int = 0
+    pd_bytes_received_total: int = 0
+    pd_bytes_saved_total: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

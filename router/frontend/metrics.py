@@ -75,6 +75,13 @@ COUNTERS = (
     ("computed_tokens", "computed_tokens_total", "Prompt tokens prefilled (not cached)"),
     ("num_requests", "num_requests_total", "Finished requests"),
     ("num_aborted_requests", "num_aborted_total", "Aborted requests"),
+    ("kv_transfer_sent_bytes", "pd_bytes_sent_total", "PD: K/V bytes sent to decode replicas"),
+    ("kv_transfer_received_bytes", "pd_bytes_received_total", "PD: K/V bytes received from prefill replicas"),
+    (
+        "kv_transfer_saved_bytes",
+        "pd_bytes_saved_total",
+        "PD: K/V bytes not moved (the decode side held them)",
+    ),
 )
 
 
