@@ -30,9 +30,10 @@ REQUESTS = 1000
 WARMUP = 128
 CONCURRENCY = 64
 SEGMENTS = 4
-SOAK_BOUND_S = 1200.0  # the whole run, on two shared cores
-# The replica's RSS may grow this much over the second half of the run (allocator noise).
-RSS_SLACK_BYTES = 96 * 2**20
+SOAK_BOUND_S = 1800.0  # the whole run, on two shared cores (527 s to over 1,200 s seen)
+# The replica's RSS may grow this much over the second half of the run (allocator noise: 9 MiB
+# and 113 MiB seen in two runs). A leak of half a MiB per request would still exceed it.
+RSS_SLACK_BYTES = 192 * 2**20
 
 PHONE = r"[0-9]{3}-[0-9]{4}"
 SCHEMA = {
@@ -207,6 +208,7 @@ def url():
         yield base
 
 
+@pytest.mark.timeout(2400)
 def test_soak_1000_mixed_requests_at_concurrency_64(url):
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     (replica,) = replica_processes()
