@@ -7,7 +7,13 @@ import dataclasses
 import pytest
 
 from radixserve.workers import Engine
-from radixserve.workers.protocol import GenerateRequest, InvalidRequest, QueueFull, SamplingParams
+from radixserve.workers.protocol import (
+    GenerateRequest,
+    InvalidRequest,
+    QueueFull,
+    SamplingParams,
+    attempt_rid,
+)
 from tests.engine_utils import assert_kv_invariant, hf_greedy, wait_idle
 
 PROMPTS = [
@@ -266,3 +272,26 @@ def test_make_reqs_touches_no_engine_state(small):
     )
     assert [r.key for r in reqs] == ["pure#0", "pure#1"]  # the grammar is checked later, off-loop
     assert_nothing_left(small)
+
+
+def test_a_further_attempt_runs_beside_its_earlier_self_and_abort_reaches_both(engine):
+    """A request sent again goes out as `attempt_rid(rid, ...)`: the engine takes it while the
+    first attempt still runs (its abort may not have landed yet), and aborting `rid` ends both."""
+
+    async def run():
+        params = SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)
+        ids = engine.tokenizer.encode("Tell me a long story.")
+        first = GenerateRequest(ids, params, rid="story", stream=True)
+        again = GenerateRequest(ids, params, rid=attempt_rid("story", "2"), stream=True)
+        streams = [engine.submit(first), engine.submit(again)]
+        for s in streams:
+            assert not (await s.__anext__()).finished
+        with pytest.raises(InvalidRequest, match="already in use"):
+            engine.submit(GenerateRequest(ids, params, rid="story", stream=True))
+        assert not engine.abort("stor")  # a prefix of the id is not the request
+        assert engine.abort("story")
+        return [[c async for c in s][-1] for s in streams]
+
+    lasts = asyncio.run(run())
+    assert all(last.finished and last.finish_reason["type"] == "abort" for last in lasts)
+    wait_idle(engine)

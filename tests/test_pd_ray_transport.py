@@ -59,10 +59,6 @@ def test_streamed_chat_over_ray(http, reference):
     assert text == expected[1]["text"]
 
 
-@pytest.mark.skip(
-    reason="known defect: the request sent again after its prefill replica died can meet its own "
-    "rid still held by the decode side (400 'request id is already in use'); fix pending"
-)
 def test_prefill_replica_lost_during_a_long_prefill(http):
     """Last in the module: the prefill replica dies while it computes a long prompt. The request
     is still answered in full (sent again once Serve replaced the replica, or recomputed if its

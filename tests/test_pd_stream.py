@@ -4,13 +4,16 @@ the calls, what each side is sent, the client's view of the two streams, and eac
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ray.exceptions import ActorUnavailableError
 from ray.serve.handle import DeploymentResponseGenerator
 
+from radixserve.router.frontend.ingress import Ingress
 from radixserve.router.frontend.metrics import Metrics
-from radixserve.router.frontend.pd_stream import RECOMPUTE_SUFFIX, PDStream
+from radixserve.router.frontend.pd_stream import RECOMPUTE_TAG, PDStream
 from radixserve.workers.protocol import (
     EngineError,
     GenerateRequest,
@@ -19,6 +22,7 @@ from radixserve.workers.protocol import (
     QueueFull,
     SamplingParams,
     TransferFailed,
+    attempt_rid,
     encode_error,
 )
 
@@ -162,7 +166,7 @@ def test_transfer_failure_after_the_first_token(on_failure):
     # token already sent, for the tokens left; the usage is the client's request's.
     method, cont = decode.calls[1]
     assert method == "generate" and cont["input_ids"] == PROMPT + [11]
-    assert cont["sampling_params"]["max_new_tokens"] == 3 and cont["rid"] == "r" + RECOMPUTE_SUFFIX
+    assert cont["sampling_params"]["max_new_tokens"] == 3 and cont["rid"] == attempt_rid("r", RECOMPUTE_TAG)
     assert (out[-1].prompt_tokens, out[-1].completion_tokens, out[-1].cached_tokens) == (3, 4, 3)
 
 
@@ -189,3 +193,30 @@ def test_cancel_cancels_both_calls():
 
     asyncio.run(go())
     assert decode.streams[0].cancelled and prefill.streams[0].cancelled
+
+
+def test_a_resend_after_a_lost_prefill_replica_goes_out_under_a_fresh_id():
+    """The prefill replica is lost before any output: the ingress cancels the reservation and
+    sends the request again. The decode side may still hold the first reservation (its cancel is
+    on its way), so the resend must not reuse the rid: it goes out as attempt 2 of it."""
+    reservation = KVReservation("r", [TICKET]).to_dict()
+    decode = ScriptedPool(reserve=[[reservation], [reservation, final([12], "B", 2)]])
+    prefill = ScriptedPool(generate=[[ActorUnavailableError("lost", b"\0" * 16)], prefill_ok()])
+    ing = Ingress.__new__(Ingress)  # the open/resend logic alone, without Serve behind it
+    ing.replicas, ing.decode, ing.metrics = prefill, decode, Metrics("m")
+    ing.config = SimpleNamespace(pd_on_failure="recompute")  # type: ignore[assignment]
+
+    async def go():
+        stream = await ing.open(request())
+        return [c async for c in stream]
+
+    out = asyncio.run(go())
+    assert [t for c in out for t in c.token_ids] == [11, 12]
+    assert decode.streams[0].cancelled
+    rids = [(m, r["rid"]) for m, r in decode.calls + prefill.calls]
+    assert rids == [
+        ("reserve", "r"),
+        ("reserve", attempt_rid("r", "2")),
+        ("generate", "r"),
+        ("generate", attempt_rid("r", "2")),
+    ]

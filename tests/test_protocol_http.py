@@ -241,6 +241,14 @@ def test_schema_errors_become_openai_400s():
     assert (e.status, e.param) == (400, "max_tokens")  # strict: no string-to-int coercion
     e = validation_error(CompletionRequest, '{"max_tokens": 5}')
     assert (e.status, e.param, e.message) == (400, "prompt", "Missing required parameter: 'prompt'.")
+    # Request ids are printable and bounded: no log line breaks, no engine-side attempt separator.
+    for rid in ("a\nb", "a\u001fb", "", "x" * 257):
+        e = validation_error(GenerateHTTPRequest, json.dumps({"text": "hi", "rid": rid}))
+        assert (e.status, e.param) == (400, "rid"), rid
+    assert (
+        GenerateHTTPRequest.model_validate_json('{"text": "hi", "rid": "team/run-7 #3"}').rid
+        == "team/run-7 #3"
+    )
 
 
 def test_replica_errors_round_trip_and_map_to_statuses():

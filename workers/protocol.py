@@ -231,6 +231,24 @@ class SamplingParams:
         return None
 
 
+# A request sent out again (its replica was lost before any output) or continued on another
+# replica (a PD recompute) goes out under a fresh engine-side id, `<rid>\x1f<tag>`, so it never
+# meets its earlier self, which a replica may still hold until its abort lands. Aborting `rid`
+# aborts every attempt of it. Client request ids are printable (the API refuses control
+# characters in them), so the separator never occurs in one.
+ATTEMPT_SEP = "\x1f"
+
+
+def attempt_rid(rid: str, tag: str) -> str:
+    """The engine-side id of a further attempt of request `rid`."""
+    return f"{rid}{ATTEMPT_SEP}{tag}"
+
+
+def is_attempt_of(key: str, rid: str) -> bool:
+    """Whether engine-side id `key` is request `rid` or one of its further attempts."""
+    return key == rid or key.startswith(rid + ATTEMPT_SEP)
+
+
 @dataclass
 class GenerateRequest:
     """One generation request as the router hands it to a replica (tokenized already)."""

@@ -14,6 +14,7 @@ router and routing state; a request is served by one replica of each (router/fro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,7 +30,14 @@ from radixserve.router.frontend.tokenizer import Tokenizer
 from radixserve.router.frontend.tokenizer_pool import TokenizerPool
 from radixserve.router.routing.request_router import state_key
 from radixserve.router.routing.routing_state import routing_state
-from radixserve.workers.protocol import GenerateRequest, ModelCard, OutputChunk, ReplicaStats, decode_error
+from radixserve.workers.protocol import (
+    GenerateRequest,
+    ModelCard,
+    OutputChunk,
+    ReplicaStats,
+    attempt_rid,
+    decode_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -162,14 +170,18 @@ class Ingress:
         A replica lost before its first output (its node went away after Serve chose it: Serve
         does not send a call again once it went out) is not the client's failure, and nothing
         reached the client yet: the request goes out again, and Serve's router, which now skips
-        the unreachable replica, places it on another, up to OPEN_ATTEMPTS times in all.
+        the unreachable replica, places it on another, up to OPEN_ATTEMPTS times in all. Each
+        resend goes out under a fresh engine-side id (`attempt_rid`): the earlier attempt's
+        cancel may not have reached a replica that still holds it (in PD mode, the decode side's
+        reservation), and the two must not meet.
         """
         timer = self.metrics.timer()
         for attempt in range(1, OPEN_ATTEMPTS + 1):
+            sent = req if attempt == 1 else dataclasses.replace(req, rid=attempt_rid(req.rid, str(attempt)))
             try:
                 if self.decode is not None:
-                    return await self._open_pd(req, timer)
-                return await self._open(req, timer)
+                    return await self._open_pd(sent, timer)
+                return await self._open(sent, timer)
             except REPLICA_LOST as e:
                 if attempt == OPEN_ATTEMPTS:
                     raise

@@ -34,6 +34,7 @@ from radixserve.workers.protocol import (
     OutputChunk,
     QueueFull,
     TransferFailed,
+    attempt_rid,
     decode_error,
 )
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RECOMPUTE_SUFFIX = ".recompute"
+RECOMPUTE_TAG = "recompute"  # the engine-side id of a continuation: attempt_rid(rid, RECOMPUTE_TAG)
 
 
 class PDStream:
@@ -183,7 +184,7 @@ class PDStream:
             self.req,
             input_ids=list(self.req.input_ids) + sent,
             sampling_params=params,
-            rid=self.rid + RECOMPUTE_SUFFIX,
+            rid=attempt_rid(self.rid, RECOMPUTE_TAG),
             kv_tickets=None,
         )
         gen = pool.options(stream=True).generate.remote(cont.to_dict())

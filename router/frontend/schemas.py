@@ -9,7 +9,7 @@ OpenAI does); parameters that OpenAI clients commonly send but that change nothi
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,11 @@ from radixserve.workers.protocol import (
 )
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
+
+
+# A client's request id: printable (no control characters, so it can carry no log line break
+# and never contains `protocol.ATTEMPT_SEP`) and bounded.
+RequestId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 
 class _Schema(BaseModel):
@@ -93,7 +98,7 @@ class _SamplingFields(_Schema):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | None = None
-    rid: str | None = None
+    rid: RequestId | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -126,7 +131,7 @@ class GenerateHTTPRequest(_Schema):
     # SGLang's switch for token text in logprob triples; the text is always there, so it is
     # accepted and changes nothing.
     return_text_in_logprobs: bool = True
-    rid: str | None = None
+    rid: RequestId | None = None
 
 
 class TokenizeRequest(_Schema):
@@ -142,7 +147,7 @@ class DetokenizeRequest(_Schema):
 
 
 class AbortRequest(_Schema):
-    rid: str
+    rid: RequestId
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:

@@ -41,6 +41,7 @@ from radixserve.workers.protocol import (
     ReplicaStats,
     SamplingParams,
     add_to_native_result,
+    is_attempt_of,
     native_result,
 )
 
@@ -176,12 +177,13 @@ class Engine:
         return dataclasses.replace(self.core.load, queued_sequences=self.num_queued())
 
     def abort(self, rid: str) -> bool:
-        """Abort a queued or running request; its KV is released at the next step boundary."""
+        """Abort a queued or running request, every attempt of it (`protocol.attempt_rid`); its KV is
+        released at the next step boundary."""
         with self._lock:
-            known = rid in self._streams
-        if known:
-            self._inbox.put(AbortRequest(rid))
-        return known
+            keys = [key for key in self._streams if is_attempt_of(key, rid)]
+        for key in keys:
+            self._inbox.put(AbortRequest(key))
+        return bool(keys)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are in flight. Blocks until the
