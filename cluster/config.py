@@ -229,8 +229,9 @@ class ServerArgs:
         return self.router.policy_kwargs("cache_aware" if choice else "round_robin")
 
     def decode_policy_kwargs(self) -> dict[str, Any]:
-        """PD: the decode pool is routed by load (the less loaded of two candidates)."""
-        return {**self.router.policy_kwargs("power_of_two"), "policy": "power_of_two"}
+        """PD: the decode pool is routed by KV room, then its held conversations and load
+        (router/routing/policy.py: KVAwarePolicy)."""
+        return {**self.router.policy_kwargs("kv_aware"), "policy": "kv_aware"}
 
     def ingress_config(self) -> IngressConfig:
         pd = self.deployment.pd

@@ -60,11 +60,11 @@ def test_each_pool_gets_its_name_replicas_cpus_and_policy():
     p, d = replica_options(args, "prefill"), replica_options(args, "decode")
     assert (p["name"], p["num_replicas"], p["ray_actor_options"]) == ("PrefillReplica", 2, {"num_cpus": 2})
     assert (d["name"], d["num_replicas"], d["ray_actor_options"]) == ("DecodeReplica", 1, {"num_cpus": 1})
-    # Prefill by prefix affinity once there is a choice; decode by load.
+    # Prefill by prefix affinity once there is a choice; decode by KV room, held turns and load.
     assert p["request_router_config"].request_router_kwargs["policy"] == "cache_aware"
-    assert d["request_router_config"].request_router_kwargs["policy"] == "power_of_two"
+    assert d["request_router_config"].request_router_kwargs["policy"] == "kv_aware"
     ingress = args.ingress_config()
-    assert ingress.policy.policy == "cache_aware" and ingress.decode_policy.policy == "power_of_two"
+    assert ingress.policy.policy == "cache_aware" and ingress.decode_policy.policy == "kv_aware"
     assert ingress.pd_on_failure == "recompute"
     # Each pool autoscales on its own bounds.
     scaled = ServerArgs.from_dict({"pd": True, "decode_min_replicas": 1, "decode_max_replicas": 3})

@@ -311,6 +311,41 @@ def test_loads_combine_own_in_flight_with_replica_reports():
     loads = policy.loads(["a", "b"], reports)
     assert loads == [ReplicaLoad("a", in_flight=1), ReplicaLoad("b", running=4, queued=3)]
     assert [r.load for r in loads] == [1, 7]
+    with_kv = ReplicaStats(replica_id="b", kv_total=1000, kv_free=300, kv_evictable=200)
+    assert policy.loads(["b"], {"b": with_kv})[0].kv_room == 500
+
+
+def test_kv_aware_leaves_out_replicas_without_room_for_the_prompt():
+    policy = make_policy("kv_aware")
+    long = list(range(600))
+    # b is less loaded but its KV cannot take the prompt: a, which can, gets it.
+    cands = [ReplicaLoad("a", running=3, kv_room=5000), ReplicaLoad("b", running=0, kv_room=400)]
+    assert policy.choose(long, cands).replica_id == "a"
+    # Both have room: the less loaded; equal loads go to the one with more room.
+    cands = [ReplicaLoad("a", running=3, kv_room=5000), ReplicaLoad("b", running=0, kv_room=900)]
+    assert policy.choose(long, cands).replica_id == "b"
+    cands = [ReplicaLoad("a", running=1, kv_room=900), ReplicaLoad("b", running=1, kv_room=5000)]
+    assert policy.choose(long, cands) == Decision("b", 0, "cache_miss")
+    # None has room: the one with the most (it may free more by the time the KV comes).
+    cands = [ReplicaLoad("a", kv_room=100), ReplicaLoad("b", kv_room=300)]
+    assert policy.choose(long, cands) == Decision("b", 0, "kv_room")
+    # No report yet: room is unknown, not missing.
+    assert policy.choose(long, [ReplicaLoad("a"), ReplicaLoad("b", running=2)]).replica_id == "a"
+
+
+def test_kv_aware_sends_a_follow_up_turn_where_its_conversation_is():
+    """The decode replica holding the first turn needs only the new pages: it gets the second
+    turn even with a little less room, as long as the prefix it holds covers the gap."""
+    policy = make_policy("kv_aware")
+    turn1 = prompt(50_000, n=200)
+    policy.on_dispatch(turn1, "b")
+    policy.on_complete("b", turn1)
+    turn2 = turn1 + list(range(60_000, 60_100))
+    cands = [ReplicaLoad("a", kv_room=5000), ReplicaLoad("b", kv_room=200)]
+    assert policy.choose(turn2, cands) == Decision("b", len(turn1), "cache_hit")
+    # Room is counted against what the replica must newly hold: 100 tokens do not fit in 50.
+    cands = [ReplicaLoad("a", kv_room=5000), ReplicaLoad("b", kv_room=50)]
+    assert policy.choose(turn2, cands).replica_id == "a"
 
 
 def test_namespaces_neither_attract_nor_see_each_other():

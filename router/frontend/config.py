@@ -69,7 +69,7 @@ class IngressConfig:
     server_args: tuple[tuple[str, Any], ...]
     # PD mode: the decode pool's routing policy, and what a decode side that fails after its
     # prefill leads to (workers.protocol.PD_ON_FAILURE).
-    decode_policy: PolicyConfig = PolicyConfig(policy="power_of_two")
+    decode_policy: PolicyConfig = PolicyConfig(policy="kv_aware")
     pd_on_failure: str = "recompute"
 
     def server_info(self) -> dict[str, Any]:

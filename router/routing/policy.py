@@ -26,7 +26,7 @@ from typing import Any
 
 from radixserve.router.routing.prefix_tree import DEFAULT_MAX_TOKENS, Namespace, PrefixTree
 
-POLICY_NAMES = ("cache_aware", "round_robin", "power_of_two", "random")
+POLICY_NAMES = ("cache_aware", "kv_aware", "round_robin", "power_of_two", "random")
 
 
 @dataclass(frozen=True)
@@ -77,17 +77,26 @@ class ReplicaLoad:
     in_flight: int = 0
     running: int = 0
     queued: int = 0
+    # KV slots the replica could give a new request (free + evictable) as of its last report;
+    # None without a report.
+    kv_room: int | None = None
 
     @property
     def load(self) -> int:
         return max(self.in_flight, self.running + self.queued)
 
 
+def _kv_room(report: Any) -> int | None:
+    if not getattr(report, "kv_total", 0):  # no report, or one without a KV pool's figures
+        return None
+    return report.kv_free + report.kv_evictable
+
+
 @dataclass(frozen=True)
 class Decision:
     replica_id: str
     matched_tokens: int  # the prefix the tree believes this replica holds (0 if no tree)
-    reason: str  # cache_hit | cache_miss | imbalance | round_robin | power_of_two | random
+    reason: str  # cache_hit | cache_miss | imbalance | kv_room | round_robin | power_of_two | random
 
 
 class NoReplicaAvailable(RuntimeError):
@@ -210,6 +219,7 @@ class RoutingPolicy:
             in_flight=self._in_flight.get(replica_id, 0),
             running=getattr(report, "running", 0),
             queued=getattr(report, "queued", 0),
+            kv_room=_kv_room(report),
         )
 
     def _decide(
@@ -337,8 +347,13 @@ class CacheAwarePolicy(RoutingPolicy):
             h = min(hits, key=lambda r: (cost * r.load - match_of(r), r.load, r.replica_id))
             if match_of(h) >= cost * (h.load - low):
                 return Decision(h.replica_id, match_of(h), "cache_hit")
-        best = min(replicas, key=lambda r: (r.load, claimed(r), r.replica_id))
+        best = min(replicas, key=lambda r: (r.load, self._spread_key(r, claimed(r)), r.replica_id))
         return Decision(best.replica_id, match_of(best), "cache_miss")
+
+    def _spread_key(self, r: ReplicaLoad, claimed: int) -> Any:
+        """Among equally loaded replicas on a miss: the one claiming fewest tokens (it spreads
+        new prefixes)."""
+        return claimed
 
     def _record(self, token_ids, replica_id, namespace) -> None:
         self._tree.insert(token_ids, replica_id, namespace)
@@ -370,7 +385,38 @@ class CacheAwarePolicy(RoutingPolicy):
         }
 
 
-_POLICIES = {cls.name: cls for cls in (CacheAwarePolicy, RoundRobinPolicy, PowerOfTwoPolicy, RandomPolicy)}
+class KVAwarePolicy(CacheAwarePolicy):
+    """The decode pool's policy in PD mode. A decode replica holds a request's KV from its
+    reservation to its last token, so room comes first: replicas whose last report shows fewer
+    free + evictable KV slots than the request needs there (its prompt, less the prefix the
+    replica already holds) are left out while another has room; if none has, the one with the
+    most room (it may free more by the time the KV arrives). Among the rest, the cache-aware
+    choice: a follow-up turn goes to the decode replica that holds its conversation, so the
+    transfer moves only the new pages, and the load guards spread everything else; equally
+    loaded replicas on a miss go to the one with more room."""
+
+    name = "kv_aware"
+
+    def _choose(self, token_ids, replicas, namespace) -> Decision:
+        matched = self._tree.match(token_ids, namespace)
+
+        def need(r: ReplicaLoad) -> int:
+            return len(token_ids) - matched.get(r.replica_id, 0)
+
+        roomy = [r for r in replicas if r.kv_room is None or r.kv_room >= need(r)]
+        if not roomy:
+            best = max(replicas, key=lambda r: (r.kv_room or 0, r.replica_id))
+            return Decision(best.replica_id, matched.get(best.replica_id, 0), "kv_room")
+        return super()._choose(token_ids, roomy, namespace)
+
+    def _spread_key(self, r: ReplicaLoad, claimed: int) -> Any:
+        return (-(r.kv_room or 0), claimed)
+
+
+_POLICIES = {
+    cls.name: cls
+    for cls in (CacheAwarePolicy, KVAwarePolicy, RoundRobinPolicy, PowerOfTwoPolicy, RandomPolicy)
+}
 
 
 def make_policy(name: str | None = None, **cfg: Any) -> RoutingPolicy:
