@@ -295,3 +295,46 @@ def test_a_further_attempt_runs_beside_its_earlier_self_and_abort_reaches_both(e
     lasts = asyncio.run(run())
     assert all(last.finished and last.finish_reason["type"] == "abort" for last in lasts)
     wait_idle(engine)
+
+
+def _resumed(engine, ids, params, prefix):
+    req = GenerateRequest(list(ids), SamplingParams.from_dict(params), output_prefix=prefix)
+    return asyncio.run(engine._collect(req))
+
+
+def test_a_resumed_request_continues_as_if_it_had_generated_its_prefix(engine, reference):
+    """PD recompute: prompt + the tokens a client has, continued; only the rest comes back, and
+    the usage counts the prefix as output. Greedy, so it equals the uninterrupted run."""
+    ids, _ = reference
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    (whole,) = [engine.generate(input_ids=ids[0], sampling_params=params)]
+    full = whole["output_ids"]
+    for k in (1, 5, 11):
+        (out,) = _resumed(engine, ids[0], params, [full[:k]])
+        assert out["output_ids"] == full[k:]
+        assert whole["text"].startswith(engine.tokenizer.decode(full[:k])) and whole["text"].endswith(
+            out["text"]
+        )
+        meta = out["meta_info"]
+        assert meta["completion_tokens"] == 12 and meta["prompt_tokens"] == len(ids[0])
+        assert meta["cached_tokens"] <= len(ids[0])
+    # n = 2: each sequence from its own prefix.
+    outs = _resumed(engine, ids[0], dict(params, n=2), [full[:3], full[:7]])
+    assert [o["output_ids"] for o in outs] == [full[3:], full[7:]]
+    # A stop string inside the prefix's tail ends it at once, with nothing new.
+    text = engine.tokenizer.decode(full[:6])
+    (out,) = _resumed(engine, ids[0], dict(params, stop=[text[-3:]]), [full[:6]])
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "stop"
+    wait_idle(engine)
+
+
+def test_a_resumed_request_is_validated(engine):
+    ids = engine.tokenizer.encode("hello")
+    params = {"max_new_tokens": 4, "temperature": 0}
+    for prefix, why in (
+        ([[1], [2]], "one token list per sequence"),
+        ([[1, 2, 3, 4]], "no token"),
+        ([[-1]], "integers"),
+    ):
+        with pytest.raises(InvalidRequest, match=why):
+            _resumed(engine, ids, params, prefix)

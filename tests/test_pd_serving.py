@@ -6,6 +6,8 @@ cached_tokens and aborts work as in unified mode; both pools return to idle afte
 from __future__ import annotations
 
 import json
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -172,21 +174,33 @@ def test_client_disconnect_frees_both_sides(http, reference):
 
 
 def test_decode_replica_lost_mid_stream_the_rest_is_recomputed(http, reference):
-    """Last in the module: it kills the decode replica. The client's stream goes on (the rest is
-    recomputed on the prefill replica, from the prompt and the tokens sent) and equals the
-    unified output; the prefill side frees everything; Serve replaces the decode replica."""
+    """Last in the module: it kills the decode replica while two requests decode there. The
+    client's stream goes on (the rest is recomputed on the prefill replica, resumed from the
+    tokens sent) and equals the unified output. A constrained request with n = 2 is resumed the
+    same way, its grammar replayed over what each sequence had: both still match the pattern
+    whole. The prefill side frees everything; Serve replaces the decode replica."""
     ids, _, long = reference
     sp = {"max_new_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True}
     body = {"input_ids": ids[0], "sampling_params": sp, "stream": True}
+    words = "(alpha|beta|gamma)"
+    pattern = f"{words}( {words}){{30}}"
+    constrained = {"prompt": "Say some Greek letters:", "max_tokens": 200, "n": 2, "temperature": 0}
     events, killed = [], False
-    with http.stream("POST", "/generate", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                events.append(json.loads(line[len("data: ") :]))
-                if len(events) == 4 and not killed:
-                    kill_replica("DecodeReplica")
-                    killed = True
-    assert killed
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(http.post, "/v1/completions", json={**constrained, "regex": pattern}, timeout=300)
+        with http.stream("POST", "/generate", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: ") :]))
+                    if len(events) == 4 and not killed:
+                        in_flight = not fut.done()
+                        kill_replica("DecodeReplica")
+                        killed = True
+        answer = fut.result()
+    assert killed and in_flight
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    assert len(choices) == 2 and all(re.fullmatch(pattern, c["text"]) for c in choices), choices
     last = events[-1]
     assert last["output_ids"] == long["output_ids"]
     assert last["text"] == long["text"]

@@ -148,7 +148,7 @@ def test_transfer_failure_after_the_first_token(on_failure):
     recompute = [
         chunk(),
         chunk(ids=[12], text="B"),
-        final([13, 14], "CD", 3, prompt_tokens=4, cached_tokens=4),
+        final([13, 14], "CD", 4, prompt_tokens=3, cached_tokens=3),
     ]
     s, _, decode = make(
         [reservation, encode_error(TransferFailed("KV transfer failed: timed out"))],
@@ -162,25 +162,38 @@ def test_transfer_failure_after_the_first_token(on_failure):
         return
     out = run(s)
     assert [t for c in out for t in c.token_ids] == [11, 12, 13, 14]
-    # The rest was asked of the decode pool (alive; only the transfer failed): prompt + the
-    # token already sent, for the tokens left; the usage is the client's request's.
+    # The rest was asked of the decode pool (alive; only the transfer failed): the prompt, resumed
+    # from the token the client has (the replica counts it as output: the usage is the request's).
     method, cont = decode.calls[1]
-    assert method == "generate" and cont["input_ids"] == PROMPT + [11]
-    assert cont["sampling_params"]["max_new_tokens"] == 3 and cont["rid"] == attempt_rid("r", RECOMPUTE_TAG)
+    assert method == "generate" and cont["input_ids"] == PROMPT and cont["output_prefix"] == [[11]]
+    assert cont["sampling_params"]["max_new_tokens"] == 4 and cont["rid"] == attempt_rid("r", RECOMPUTE_TAG)
     assert (out[-1].prompt_tokens, out[-1].completion_tokens, out[-1].cached_tokens) == (3, 4, 3)
 
 
-def test_a_lost_decode_replica_is_recomputed_on_the_prefill_pool_unless_n_or_grammar():
+def test_a_lost_decode_replica_is_recomputed_on_the_prefill_pool_grammar_and_all():
     reservation = KVReservation("r", [TICKET]).to_dict()
     lost = RuntimeError("actor died")
-    recompute = [chunk(), final([12, 13, 14], "BCD", 3, prompt_tokens=4)]
-    s, prefill, _ = make([reservation, lost], [prefill_ok(), recompute])
+    recompute = [chunk(), final([12, 13, 14], "BCD", 4, prompt_tokens=3)]
+    s, prefill, _ = make([reservation, lost], [prefill_ok(), recompute], req=request(regex="[A-Z]+"))
     assert [t for c in run(s) for t in c.token_ids] == [11, 12, 13, 14]
-    assert prefill.calls[1][1]["input_ids"] == PROMPT + [11] and "kv_tickets" not in prefill.calls[1][1]
-    # A grammar's state cannot be rebuilt from the tokens: a clear error instead.
-    s, _, _ = make([reservation, lost], [prefill_ok()], req=request(regex="[a-z]+"))
-    with pytest.raises(EngineError, match="decode side failed"):
-        run(s)
+    cont = prefill.calls[1][1]
+    assert cont["input_ids"] == PROMPT and cont["output_prefix"] == [[11]] and "kv_tickets" not in cont
+    assert cont["sampling_params"]["regex"] == "[A-Z]+"  # the replica replays [11] through it
+
+
+def test_a_recompute_resumes_only_the_unfinished_sequences_under_their_own_indices():
+    reservation = KVReservation("r", [TICKET, TICKET]).to_dict()
+    first = [chunk(), chunk(0, [11], "A", True), chunk(1, [21], "a", True)]
+    decode = [reservation, final([12], "B", 2) | {"index": 0}, chunk(1, [22], "b"), RuntimeError("lost")]
+    # The replica numbers the one sequence it resumes 0; the client sees it as 1.
+    recompute = [chunk(), final([23, 24], "cd", 4, prompt_tokens=3)]
+    s, prefill, _ = make(decode, [first, recompute], req=request(n=2))
+    out = run(s)
+    by_index = {i: [t for c in out if c.index == i for t in c.token_ids] for i in (0, 1)}
+    assert by_index == {0: [11, 12], 1: [21, 22, 23, 24]}
+    assert [c.index for c in out if c.finished] == [0, 1]
+    cont = prefill.calls[1][1]
+    assert cont["sampling_params"]["n"] == 1 and cont["output_prefix"] == [[21, 22]]
 
 
 def test_cancel_cancels_both_calls():

@@ -1,5 +1,6 @@
 """Constrained decoding through the engine with the real default model."""
 
+import asyncio
 import json
 import re
 
@@ -232,3 +233,24 @@ def test_engine_shutdown_stops_the_grammar_compile_workers():
         engine.shutdown()
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
     assert not alive
+
+
+def test_a_resumed_request_replays_its_prefix_through_the_grammar(engine):
+    """PD recompute of a constrained request: the grammar is advanced by the tokens the client
+    has, so what follows still completes the pattern (and equals the uninterrupted greedy run)."""
+    from radixserve.workers.protocol import GenerateRequest, SamplingParams
+
+    params = {"max_new_tokens": 30, "temperature": 0, "regex": r"[a-z]{1,6}(, [a-z]{1,6}){2}"}
+    ids = engine.tokenizer.encode("List three fruits:")
+    whole = engine.generate(input_ids=ids, sampling_params=params)
+    assert re.fullmatch(params["regex"], whole["text"])
+    full = whole["output_ids"]
+    k = len(full) // 2
+    req = GenerateRequest(list(ids), SamplingParams.from_dict(params), output_prefix=[full[:k]])
+    (out,) = asyncio.run(engine._collect(req))
+    assert out["output_ids"] == full[k:] and re.fullmatch(params["regex"], whole["text"])
+    # A prefix the grammar refuses fails the request with a clear error.
+    bad = engine.tokenizer.encode("123")
+    req = GenerateRequest(list(ids), SamplingParams.from_dict(params), output_prefix=[bad])
+    with pytest.raises(Exception, match="resuming from the tokens sent failed"):
+        asyncio.run(engine._collect(req))

@@ -261,6 +261,10 @@ class GenerateRequest:
     # PD mode, to a prefill replica: one decode replica's `KVReservation.tickets` (one per
     # sequence). The replica computes the prompt, streams the first token and sends the KV there.
     kv_tickets: list[dict[str, Any]] | None = None
+    # Resuming (PD recompute): per sequence, the output tokens a client got already. The engine
+    # computes prompt + those tokens and continues from there, as if it had generated them (the
+    # grammar, penalties, stop strings and counts see them); they are not sent again.
+    output_prefix: list[list[int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -272,6 +276,8 @@ class GenerateRequest:
         }
         if self.kv_tickets is not None:
             d["kv_tickets"] = self.kv_tickets
+        if self.output_prefix is not None:
+            d["output_prefix"] = [list(ids) for ids in self.output_prefix]
         return d
 
     @classmethod
@@ -283,6 +289,7 @@ class GenerateRequest:
             namespace=d.get("namespace"),
             stream=bool(d.get("stream")),
             kv_tickets=d.get("kv_tickets"),
+            output_prefix=d.get("output_prefix"),
         )
 
 

@@ -10,8 +10,10 @@ their end-of-sequence marks, and the decode replica's final chunks carry the fin
 Failures: a prefill side that fails before its first output is retried like a unified request
 (the decode reservation is cancelled first). Once a first token went out, a decode side that
 fails (its replica lost, or the KV never arrived: `TransferFailed`) ends the request with an
-error under `pd_on_failure = "error"`; under "recompute" a single sequence without a grammar is
-continued on one engine replica: prompt + the tokens already sent, asking only for the rest.
+error under `pd_on_failure = "error"`; under "recompute" its unfinished sequences are resumed
+on one engine replica from the tokens the client has (`GenerateRequest.output_prefix`: the engine
+computes prompt + those tokens and replays them through the grammar, penalties and stop strings),
+asking only for the rest.
 Cancelling the stream (a client that went away) cancels both replicas' calls, which abort the
 request on each side and free its KV.
 """
@@ -68,6 +70,7 @@ class PDStream:
         self.recompute: ReplicaStream | None = None
         self.decode_done = False
         self.sent: dict[int, list[int]] = {}  # tokens that went out, per sequence
+        self.ended: set[int] = set()  # sequences whose final chunk went out
 
     async def open(self) -> None:
         """Reserve on a decode replica, start the prefill; returns once the first output is
@@ -145,6 +148,8 @@ class PDStream:
                 chunk = OutputChunk.from_dict(d)
                 self.timer.tokens(len(chunk.token_ids))
                 self.sent.setdefault(chunk.index, []).extend(chunk.token_ids)
+                if chunk.finished:
+                    self.ended.add(chunk.index)
                 yield chunk
         except (InvalidRequest, QueueFull):
             raise
@@ -160,32 +165,31 @@ class PDStream:
     async def _after_failure(self, error: Exception, pool: DeploymentHandle) -> AsyncIterator[OutputChunk]:
         if self.done:  # cancelled (the client went away): its own cancel ended the decode call
             raise error
-        p = self.req.sampling_params
         why = (
             f"request {self.rid}: the decode side failed after the prefill ({type(error).__name__}: {error})"
         )
-        if self.on_failure != "recompute" or p.n != 1 or p.grammar is not None:
+        if self.on_failure != "recompute":
             raise EngineError(why)
         logger.warning("%s; recomputing the rest on one replica", why)
         async for chunk in self._recompute(pool):
             yield chunk
 
     async def _recompute(self, pool: DeploymentHandle) -> AsyncIterator[OutputChunk]:
+        """The unfinished sequences, resumed on one replica of `pool` from what their client has;
+        the replica numbers them 0..k-1, which map back to their indices here."""
         from radixserve.router.frontend.ingress import ReplicaStream
 
         p = self.req.sampling_params
-        sent = self.sent.get(0, [])
-        params = dataclasses.replace(
-            p,
-            max_new_tokens=p.max_new_tokens - len(sent),
-            min_new_tokens=max(p.min_new_tokens - len(sent), 0),
-        )
+        todo = [i for i in range(p.n) if i not in self.ended]
+        if not todo:
+            return
         cont = dataclasses.replace(
             self.req,
-            input_ids=list(self.req.input_ids) + sent,
-            sampling_params=params,
+            # With a seed, the generators start over (draws made elsewhere cannot be replayed).
+            sampling_params=dataclasses.replace(p, n=len(todo)),
             rid=attempt_rid(self.rid, RECOMPUTE_TAG),
             kv_tickets=None,
+            output_prefix=[self.sent.get(i, []) for i in todo],
         )
         gen = pool.options(stream=True).generate.remote(cont.to_dict())
         assert isinstance(gen, DeploymentResponseGenerator)
@@ -196,11 +200,7 @@ class PDStream:
         if await stream.next() is None:
             raise EngineError(f"request {self.rid}: the recompute closed without output")
         while (chunk := await stream.next()) is not None:
-            chunk.rid = self.rid
-            if chunk.finished:  # usage as the client's request counts it
-                chunk.prompt_tokens = len(self.req.input_ids)
-                chunk.completion_tokens += len(sent)
-                chunk.cached_tokens = min(chunk.cached_tokens, len(self.req.input_ids))
+            chunk.rid, chunk.index = self.rid, todo[chunk.index]
             yield chunk
 
     def cancel(self) -> None:

@@ -246,7 +246,7 @@ class EngineCore:
         self.inflight.add(reqs, stream)
         if reqs[0].params.grammar is None:
             for r in reqs:
-                self.scheduler.add(r)
+                self._schedule_new(r, self._outbox)
             return
         try:
             # The grammar is parsed and compiled off this thread; the request waits meanwhile.
@@ -255,6 +255,29 @@ class EngineCore:
             self.inflight.fail(
                 rid, EngineError(f"starting the grammar compile failed: {exc!r}"), self._outbox
             )
+
+    def _schedule_new(self, req: Req, out: list) -> None:
+        """Hand a new sequence (its grammar compiled, if it has one) to the scheduler. A resumed
+        one first replays the output its client has, as if it had generated it (the grammar,
+        penalties, stop strings and counts see it); it then waits like a retracted sequence,
+        whose prefill computes prompt + output and samples what comes next."""
+        ids, req.resume_ids = req.resume_ids, []
+        if ids:
+            try:
+                for token in ids:
+                    self.outputs.append_token(req, token, None)
+                self.outputs.detokenize(req)
+                self.outputs.mark_sent(req)
+            except Exception as exc:
+                self.inflight.fail(
+                    req.rid, EngineError(f"resuming from the tokens sent failed: {exc!r}"), out
+                )
+                return
+            if req.finish_reason is not None:  # the output it has is complete already
+                req.status = ReqStatus.FINISHED
+                self.inflight.emit_final(req, out)
+                return
+        self.scheduler.add(req)
 
     def reserve(self, reqs: list[Req], stream: bool, done: Future) -> None:
         """PD decode: reserve the sequences' slots and tickets; they start once their KV is in."""
@@ -380,7 +403,7 @@ class EngineCore:
         if self.grammars:
             for req in self.grammars.poll(self.inflight, out):
                 if self.handoff is None or not self.handoff.grammar_ready(req):
-                    self.scheduler.add(req)
+                    self._schedule_new(req, out)
         if self.handoff is not None:
             self.handoff.poll(out)
         for req in self.scheduler.take_aborted():

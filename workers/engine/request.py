@@ -61,6 +61,9 @@ class Req:
         # PD, prefill side: where this sequence's KV goes (a KVTicket) once its first token is
         # sampled; the sequence stops there.
         self.kv_ticket: Any = None
+        # Resuming: output tokens the client has already (GenerateRequest.output_prefix), replayed
+        # by the engine thread before the sequence is first scheduled.
+        self.resume_ids: list[int] = []
         # Why the engine failed this sequence (the client gets an EngineError). Its KV past the
         # cached prefix is then freed, never published: the step that failed may not have written it.
         self.error: str | None = None

@@ -32,14 +32,36 @@ class RequestBuilder:
             raise InvalidRequest(f"input_ids must be integers in [0, {self.vocab_size})", "input_ids")
         check_context_length(len(ids), p.max_new_tokens, self.context_length)
         self._check_fits_kv_pool(len(ids), p.max_new_tokens)
+        prefixes = self._output_prefix(request)
         reqs = []
         for i in range(p.n):
             req = Req(request.rid, i, list(ids), p, request.namespace)
+            req.resume_ids = prefixes[i]
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop)
             if p.seed is not None:
                 req.generator = self.sampler.make_generator(p.seed + i)
             reqs.append(req)
         return reqs
+
+    def _output_prefix(self, request: GenerateRequest) -> list[list[int]]:
+        """Per sequence, the output tokens to resume from (GenerateRequest.output_prefix)."""
+        p, prefix = request.sampling_params, request.output_prefix
+        if prefix is None:
+            return [[] for _ in range(p.n)]
+        if request.kv_tickets is not None:
+            raise InvalidRequest("a resumed request takes no KV tickets", "output_prefix")
+        if not isinstance(prefix, list) or len(prefix) != p.n:
+            raise InvalidRequest(f"output_prefix needs one token list per sequence ({p.n})", "output_prefix")
+        for ids in prefix:
+            if not isinstance(ids, list) or any(
+                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids
+            ):
+                raise InvalidRequest(
+                    f"output_prefix holds integers in [0, {self.vocab_size})", "output_prefix"
+                )
+            if len(ids) >= p.max_new_tokens:
+                raise InvalidRequest("an output prefix leaves no token to generate", "output_prefix")
+        return [list(ids) for ids in prefix]
 
     def _check_fits_kv_pool(self, prompt: int, max_new_tokens: int) -> None:
         """A sequence that cannot fit in the whole KV pool could never finish: refuse it now rather

@@ -158,8 +158,8 @@ class Scheduler:
         req.row, req.table_len = row, 0
         req.kv_slots = list(match.slots)
         req.cache_len, req.last_node = len(match.slots), match.node
-        if req.cached_tokens is None:
-            req.cached_tokens = len(match.slots)
+        if req.cached_tokens is None:  # prompt tokens: a resumed sequence matches its output too
+            req.cached_tokens = min(len(match.slots), len(req.origin_input_ids))
         if not self._extend(req, n):
             self.release(req, keep_waiting=True)
             return None
