@@ -153,6 +153,55 @@ def test_follow_up_turn_moves_only_new_tokens_and_reports_cached(engines):
     assert prefill.stats()["pd_transfers_sent_total"] >= 2
 
 
+def test_the_transfer_moves_each_layer_as_the_last_chunk_computes_it(engines):
+    """A new 70-token prompt is prefilled in chunks of 32: its transfer begins with the forward of
+    the last chunk (the first 64 tokens go at once), and each layer of the last 6 is queued from
+    inside the forward, once that layer has run. Output still equals unified."""
+    unified, prefill, decode = engines
+    handoff = prefill.core.handoff
+    real, seen = handoff.stream_layers, []
+
+    def spy(plan):
+        callback = real(plan)
+        if callback is None:
+            return None
+        starts = [s for r, s in zip(plan.reqs, plan.starts) if r.kv_ticket is not None]
+
+        def layer_done(layer):
+            seen.append((starts, layer))
+            callback(layer)
+
+        return layer_done
+
+    handoff.stream_layers = spy
+    try:
+        pd, ref = run_both(
+            engines, list(range(700, 770)), {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+        )
+    finally:
+        handoff.stream_layers = real
+    assert pd[0]["ids"] == ref[0]["ids"] and pd[0]["text"] == ref[0]["text"]
+    layers = prefill.core.model_config.num_layers
+    assert seen == [([64], layer) for layer in range(layers)]
+
+
+def test_equal_prompts_prefilled_together_both_arrive_whole(engines):
+    """Two requests with one new prompt in the same prefill step: the tree would keep one copy of
+    its KV and free the other's slots, but not while their transfers still read them."""
+    unified, prefill, decode = engines
+    ids = list(range(500, 566))
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+
+    async def both():
+        return await asyncio.gather(
+            *(pd_run(prefill, decode, GenerateRequest(list(ids), sp)) for _ in range(2))
+        )
+
+    ref = asyncio.run(unified_run(unified, GenerateRequest(list(ids), sp)))
+    for pd in asyncio.run(both()):
+        assert pd[0]["ids"] == ref[0]["ids"] and pd[0]["text"] == ref[0]["text"]
+
+
 def test_abort_while_reserved_frees_the_decode_side(engines):
     _, _, decode = engines
 

@@ -61,6 +61,9 @@ class EngineConfig:
     role: str = "unified"
     kv_transfer: str = "auto"
     kv_transfer_timeout_s: float = 30.0
+    # Prefill role: send each layer of a prompt's last chunk as the forward writes it (False:
+    # the whole prompt after the forward; load_tests/bench_handoff.py compares the two).
+    kv_transfer_layerwise: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -420,10 +420,13 @@ class EngineCore:
         if plan.kind is BatchKind.PREFILL:
             self.counters["computed_tokens_total"] += plan.num_tokens
         try:
-            return self.worker.prepare(plan, self.grammars.bitmask)
+            job = self.worker.prepare(plan, self.grammars.bitmask)
         except Exception as exc:
             self._fail_batch(plan, "preparing the model step", exc, out)
             return None
+        if self.handoff is not None and self.config.role == "prefill" and self.config.kv_transfer_layerwise:
+            job.batch.layer_done = self.handoff.stream_layers(plan)
+        return job
 
     def _release_finished(self) -> None:
         """Free the KV of sequences that finished since the last boundary (their final chunk may

@@ -9,9 +9,13 @@ running batch with that token as its first output (grammar, penalties, stop stri
 see it; the client got it from the prefill replica, so it is not sent again).
 
 Prefill role: a sequence that carries a ticket is computed as any other and stops after its first
-token (OutputProcessor), whose chunk goes out at once; `start_send` then queues its prompt's KV
-(all layers) to the decode replica, and the sequence keeps its slots locked here until the send
-settled or its lease ran out. Its prompt stays in this replica's tree.
+token (OutputProcessor), whose chunk goes out at once. Its transfer starts with the forward of
+its last prefill chunk (`stream_layers`): what earlier chunks (or this replica's cache) hold goes
+at once, and each layer of the last chunk as soon as the forward has written it, so the KV moves
+while the later layers compute. `start_send` then closes the transfer with the first token, and
+the sequence keeps its slots locked here until the send settled or its lease ran out. Its prompt
+enters this replica's tree when the send settled (not while the pair may still read its slots:
+the tree would free duplicates of slots it already holds).
 
 Either way a transfer that does not settle within `kv_transfer_timeout_s` frees its slots.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +42,7 @@ from radixserve.workers.engine.output_processor import OutputProcessor
 from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.schedule_policy import match_key
 from radixserve.workers.engine.scheduler import Scheduler
+from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.protocol import QueueFull, TransferFailed
 
 logger = logging.getLogger("radixserve.engine")
@@ -85,6 +91,9 @@ class KVHandoff:
         self.receiving: dict[str, tuple[Req, RecvHandle]] = {}  # decode: by sequence key
         self.landed: dict[str, tuple[Req, dict[str, Any]]] = {}  # decode: KV in, grammar pending
         self.sending: dict[str, _Send] = {}  # prefill: by sequence key
+        # prefill: transfers begun with a last prefill chunk, until its first token closes them
+        self.streaming: dict[str, tuple[Req, SendHandle]] = {}
+        self.num_layers = len(self.pool.k_buffers)
         self.counters = dict(
             pd_transfers_received_total=0,
             pd_transfers_sent_total=0,
@@ -92,7 +101,7 @@ class KVHandoff:
         )
 
     def busy(self) -> bool:
-        return bool(self.receiving or self.landed or self.sending)
+        return bool(self.receiving or self.landed or self.sending or self.streaming)
 
     def detach(self, req: Req) -> bool:
         """A finished sequence leaves the running batch: True if its slots stay locked here for a
@@ -215,14 +224,66 @@ class KVHandoff:
         return req.key in self.receiving or req.key in self.landed
 
     # Prefill side ----------------------------------------------------------------------------
+    def stream_layers(self, plan: ScheduledBatch) -> Callable[[int], None] | None:
+        """Before a prefill forward: begin the transfer of every ticketed sequence whose prompt
+        this step completes. The KV already in the pool (earlier chunks, this replica's cached
+        prefix) is queued now; the returned callback (ForwardBatch.layer_done, called on the
+        forward's thread) queues each layer of this chunk once the forward has written it. None
+        if no sequence of the plan starts a transfer."""
+        if plan.kind is not BatchKind.PREFILL:
+            return None
+        started: list[tuple[SendHandle, int]] = []
+        for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
+            ticket: KVTicket | None = req.kv_ticket
+            end = len(req.origin_input_ids)
+            if ticket is None or req.output_ids or start + n != end or req.key in self.streaming:
+                continue
+            held = ticket.held_tokens
+            first = max(start, held) - held  # this chunk's first token the decode side lacks
+            try:
+                handle = self.transfer.send(ticket, req.kv_slots[held:end], timeout=self.timeout_s)
+                if first > 0:
+                    handle.send_layers(0, self.num_layers, 0, first)
+            except Exception:
+                # start_send tries again once the first token is there, the whole prompt at once.
+                logger.exception("request %s: starting the KV transfer failed", req.rid)
+                continue
+            req.kv_streaming = True  # the scheduler leaves its prompt out of the tree until then
+            self.streaming[req.key] = (req, handle)
+            if first < handle.num_tokens:
+                started.append((handle, first))
+        if not started:
+            return None
+
+        def layer_done(layer: int) -> None:
+            for handle, first in started:
+                try:
+                    handle.send_layers(layer, layer + 1, first)
+                except Exception as exc:  # the decode side fails it (TransferFailed): recomputed
+                    handle.cancel(f"queueing layer {layer} failed: {exc!r}")
+
+        return layer_done
+
+    def _poll_streaming(self) -> None:
+        """Transfers begun for sequences that ended (aborted, failed) before their first token."""
+        for key, (req, handle) in list(self.streaming.items()):
+            if req.aborted or req.error is not None or req.finished:
+                del self.streaming[key]
+                handle.cancel("the request ended before its first token")
+
     def start_send(self, req: Req) -> None:
-        """Queue the KV of the ticket's tokens of a sequence that just sampled its first token."""
+        """Close the transfer of a sequence that just sampled its first token (begun by
+        `stream_layers`; else queue all of it now)."""
         ticket: KVTicket = req.kv_ticket
         end = len(req.origin_input_ids)
         src = req.kv_slots[ticket.held_tokens : end]
+        streamed = self.streaming.pop(req.key, None)
         try:
-            handle = self.transfer.send(ticket, src, timeout=self.timeout_s)
-            handle.send_all()
+            if streamed is not None:
+                handle = streamed[1]
+            else:
+                handle = self.transfer.send(ticket, src, timeout=self.timeout_s)
+                handle.send_all()
             handle.finish({"token": req.output_ids[0], "cached_tokens": req.cached_tokens or 0})
         except Exception:
             # The decode side fails the request at its deadline (or when the router cancels it).
@@ -254,6 +315,8 @@ class KVHandoff:
         """At a step boundary: settle what the transfer engine finished."""
         if self.receiving or self.landed:
             self._poll_receiving(out)
+        if self.streaming:
+            self._poll_streaming()
         if self.sending:
             self._poll_sending()
 
@@ -264,6 +327,9 @@ class KVHandoff:
             self._free_reserved(req)
         for req, _aux in self.landed.values():
             self._free_reserved(req)
+        for _req, streamed in self.streaming.values():
+            streamed.cancel("the engine stopped")
+        self.streaming.clear()
         for send in self.sending.values():
             send.handle.cancel("the engine stopped")
             if send.detached:  # the others leave the batch with it (EngineCore.fail_all)

@@ -61,6 +61,9 @@ class Req:
         # PD, prefill side: where this sequence's KV goes (a KVTicket) once its first token is
         # sampled; the sequence stops there.
         self.kv_ticket: Any = None
+        # ... and once its transfer has begun (with its last prefill chunk), its prompt enters the
+        # tree only when the send settled: the pair reads these very slots until then.
+        self.kv_streaming = False
         # Resuming: output tokens the client has already (GenerateRequest.output_prefix), replayed
         # by the engine thread before the sequence is first scheduled.
         self.resume_ids: list[int] = []

@@ -237,7 +237,7 @@ class Scheduler:
         if batch.kind is not BatchKind.PREFILL:
             return
         for req in batch.reqs:
-            if not req.aborted and req.status is ReqStatus.RUNNING:
+            if not req.aborted and req.status is ReqStatus.RUNNING and not req.kv_streaming:
                 self._cache_progress(req)
 
     def _cache_progress(self, req: Req) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,9 @@ class ForwardBatch:
     # Scratch space an attention backend fills once per batch (masks, offsets) and reuses
     # across layers.
     attn_metadata: Any | None = None
+    # Called with i once decoder layer i has run, its K/V for this batch written (queued, on a
+    # device) to the pool: PD's prefill side starts sending that layer while the next ones run.
+    layer_done: Callable[[int], None] | None = None
 
     @property
     def batch_size(self) -> int:

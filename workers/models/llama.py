@@ -187,6 +187,8 @@ class LlamaForCausalLM(nn.Module):
         x = layers[0].input_layernorm(residual)
         for i, layer in enumerate(layers):
             delta = layer(x, residual, cos, sin, batch, kv_pool)
+            if batch.layer_done is not None:
+                batch.layer_done(i)
             if i + 1 < len(layers):
                 x = layers[i + 1].input_layernorm.add_forward(residual, delta)
         # Only the sampled rows go through the final add + norm and the LM head (the largest GEMM
