@@ -8,21 +8,17 @@ once. Replica counts come from Serve's status API."""
 
 from __future__ import annotations
 
-import itertools
-import random
-import threading
-import time
-from collections.abc import Callable
-
 import httpx
 import pytest
 from ray import serve
 
+from tests.autoscaling_utils import APP, Requests, burst, end, wait_for
+from tests.autoscaling_utils import replica_states as states_of
 from tests.serve_utils import running_app
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
-APP, ENGINE = "radixserve", "EngineReplica"
+ENGINE = "EngineReplica"
 KV_TOTAL = 1024
 PROMPT_LEN = 48
 BURST_TOKENS = 8
@@ -54,8 +50,7 @@ def base_url():
 
 
 def replica_states() -> dict[str, int]:
-    deployment = serve.status().applications[APP].deployments[ENGINE]
-    return {str(getattr(k, "value", k)): v for k, v in deployment.replica_states.items()}
+    return states_of(ENGINE)
 
 
 def app_status() -> str | None:
@@ -63,75 +58,14 @@ def app_status() -> str | None:
     return None if app is None else str(getattr(app.status, "value", app.status))
 
 
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            app = serve.status().applications.get(APP)
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; app: {app}")
-        time.sleep(0.25)
-
-
 def server_replicas(client: httpx.Client) -> list[dict]:
     return client.get("/get_server_info").json()["replicas"]
 
 
-_ids = itertools.count()
-
-
-class Requests:
-    """Sends /generate requests with distinct prompts (nothing shared in any cache) and keeps
-    every answer by its request id."""
-
-    def __init__(self, base_url: str):
-        self.base_url = base_url
-        self.sent: dict[str, int] = {}  # rid -> max_new_tokens
-        self.answers: dict[str, list] = {}  # rid -> every (status, body) received for it
-        self.lock = threading.Lock()
-
-    def one(self, client: httpx.Client, max_new_tokens: int) -> None:
-        n = next(_ids)
-        rid = f"autoscale-{n}"
-        rng = random.Random(n)
-        body = {
-            "input_ids": [rng.randrange(1000, 40000) for _ in range(PROMPT_LEN)],
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-            "rid": rid,
-        }
-        with self.lock:
-            self.sent[rid] = max_new_tokens
-        r = client.post("/generate", json=body)
-        with self.lock:
-            self.answers.setdefault(rid, []).append((r.status_code, r.json()))
-
-    def loop(self, stop: threading.Event, max_new_tokens: int) -> None:
-        with httpx.Client(base_url=self.base_url, timeout=600) as client:
-            while not stop.is_set():
-                self.one(client, max_new_tokens)
-
-    def check(self) -> None:
-        """Every request answered once, with 200 and exactly its tokens."""
-        assert set(self.answers) == set(self.sent)
-        for rid, answers in self.answers.items():
-            assert len(answers) == 1, (rid, answers)
-            ((status, body),) = answers
-            assert status == 200, (rid, body)
-            meta = body["meta_info"]
-            assert meta["id"] == rid
-            assert len(body["output_ids"]) == meta["completion_tokens"] == self.sent[rid], (rid, meta)
-            assert meta["finish_reason"]["type"] == "length", (rid, meta)
-
-
-def start(threads: list[threading.Thread]) -> list[threading.Thread]:
-    for t in threads:
-        t.start()
-    return threads
-
-
 def test_a_burst_scales_up_to_two_replicas_and_both_serve(base_url):
     assert replica_states() == {"RUNNING": 1}
-    requests, stop = Requests(base_url), threading.Event()
-    workers = start([threading.Thread(target=requests.loop, args=(stop, BURST_TOKENS)) for _ in range(8)])
+    requests = Requests(base_url, "autoscale")
+    stop, workers = burst(requests, 8, PROMPT_LEN, BURST_TOKENS)
     try:
         with httpx.Client(base_url=base_url, timeout=60) as client:
             wait_for(lambda: replica_states().get("RUNNING") == 2, 300, "the scale-up to 2 replicas")
@@ -143,9 +77,7 @@ def test_a_burst_scales_up_to_two_replicas_and_both_serve(base_url):
 
             wait_for(both_served, 120, "the new replica to serve")
     finally:
-        stop.set()
-        for t in workers:
-            t.join(600)
+        end(stop, workers)
     requests.check()
     with httpx.Client(base_url=base_url, timeout=60) as client:
         served = sum(r["num_requests_total"] for r in server_replicas(client))
@@ -155,15 +87,14 @@ def test_a_burst_scales_up_to_two_replicas_and_both_serve(base_url):
 def test_after_the_burst_it_scales_back_to_one_while_requests_keep_coming(base_url):
     """One client keeps sending short requests (one running sequence, an eighth of a replica's target): after
     the downscale delay one replica drains and goes; no request is lost on the way."""
-    requests, stop = Requests(base_url), threading.Event()
-    worker = start([threading.Thread(target=requests.loop, args=(stop, 16))])[0]
+    requests = Requests(base_url, "autoscale")
+    stop, workers = burst(requests, 1, PROMPT_LEN, 16)
     try:
         wait_for(lambda: replica_states() == {"RUNNING": 1}, 120, "the scale-down to 1 replica, drained")
         sent = len(requests.sent)
         wait_for(lambda: len(requests.answers) > sent, 60, "a request served by the remaining replica")
     finally:
-        stop.set()
-        worker.join(600)
+        end(stop, workers)
     requests.check()
 
 

@@ -26,22 +26,17 @@ pool scales up once demand > its replica count, see cluster/autoscaling.py):
 
 from __future__ import annotations
 
-import itertools
-import random
-import threading
-import time
-from collections.abc import Callable
-
 import httpx
 import pytest
 from ray import serve
 
+from tests.autoscaling_utils import APP, Requests, burst, end, replica_states, wait_for
 from tests.pd_utils import replicas, wait_idle
 from tests.serve_utils import running_app
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
-APP, PREFILL, DECODE = "radixserve", "PrefillReplica", "DecodeReplica"
+PREFILL, DECODE = "PrefillReplica", "DecodeReplica"
 KV_TOTAL = 4096
 MAX_PREFILL_TOKENS = 512
 LONG_PROMPT, SHORT_OUT = 384, 2
@@ -92,10 +87,6 @@ def status(deployment: str):
     return serve.status().applications[APP].deployments[deployment]
 
 
-def replica_states(deployment: str) -> dict[str, int]:
-    return {str(getattr(k, "value", k)): v for k, v in status(deployment).replica_states.items()}
-
-
 def assert_one(deployment: str) -> None:
     """The pool holds one running replica and Serve is not moving it (no scaling decision)."""
     s = status(deployment)
@@ -103,88 +94,15 @@ def assert_one(deployment: str) -> None:
     assert str(getattr(s.status, "value", s.status)) == "HEALTHY", (deployment, s)
 
 
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            app = serve.status().applications.get(APP)
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; app: {app}")
-        time.sleep(0.25)
-
-
 def served(http: httpx.Client, role: str) -> list[int]:
     return [r["num_requests_total"] for r in replicas(http) if r["role"] == role]
-
-
-_ids = itertools.count()
-
-
-class Requests:
-    """Sends /generate requests with distinct random prompts (nothing shared in any cache) and
-    keeps every answer by its request id."""
-
-    def __init__(self, base_url: str):
-        self.base_url = base_url
-        self.sent: dict[str, int] = {}  # rid -> max_new_tokens
-        self.answers: dict[str, list] = {}  # rid -> every (status, body) received for it
-        self.lock = threading.Lock()
-
-    def one(self, client: httpx.Client, prompt_len: int, max_new_tokens: int) -> None:
-        n = next(_ids)
-        rid = f"pd-autoscale-{n}"
-        rng = random.Random(n)
-        body = {
-            "input_ids": [rng.randrange(1000, 40000) for _ in range(prompt_len)],
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-            "rid": rid,
-        }
-        with self.lock:
-            self.sent[rid] = max_new_tokens
-        r = client.post("/generate", json=body)
-        with self.lock:
-            self.answers.setdefault(rid, []).append((r.status_code, r.json()))
-
-    def loop(self, stop: threading.Event, prompt_len: int, max_new_tokens: int) -> None:
-        with httpx.Client(base_url=self.base_url, timeout=600) as client:
-            while not stop.is_set():
-                self.one(client, prompt_len, max_new_tokens)
-
-    def check(self) -> None:
-        """Every request answered once, with 200 and exactly its tokens."""
-        assert set(self.answers) == set(self.sent)
-        for rid, answers in self.answers.items():
-            assert len(answers) == 1, (rid, answers)
-            ((code, body),) = answers
-            assert code == 200, (rid, body)
-            meta = body["meta_info"]
-            assert meta["id"] == rid
-            assert len(body["output_ids"]) == meta["completion_tokens"] == self.sent[rid], (rid, meta)
-            assert meta["finish_reason"]["type"] == "length", (rid, meta)
-
-
-def burst(requests: Requests, threads: int, prompt_len: int, max_new_tokens: int):
-    stop = threading.Event()
-    workers = [
-        threading.Thread(target=requests.loop, args=(stop, prompt_len, max_new_tokens))
-        for _ in range(threads)
-    ]
-    for t in workers:
-        t.start()
-    return stop, workers
-
-
-def end(stop: threading.Event, workers: list[threading.Thread]) -> None:
-    stop.set()
-    for t in workers:
-        t.join(600)
-    assert not any(t.is_alive() for t in workers)
 
 
 def test_long_prompts_scale_the_prefill_pool_and_leave_the_decode_pool(base_url, http):
     wait_idle(http, kv_total=KV_TOTAL, timeout=120)
     assert_one(PREFILL)
     assert_one(DECODE)
-    requests = Requests(base_url)
+    requests = Requests(base_url, "pd-autoscale")
     stop, workers = burst(requests, PREFILL_THREADS, LONG_PROMPT, SHORT_OUT)
     try:
 
@@ -213,7 +131,7 @@ def test_long_prompts_scale_the_prefill_pool_and_leave_the_decode_pool(base_url,
 
 def test_after_the_long_prompts_the_prefill_pool_scales_back_to_one(base_url, http):
     """One client keeps sending short requests while a prefill replica drains and goes."""
-    requests = Requests(base_url)
+    requests = Requests(base_url, "pd-autoscale")
     stop, workers = burst(requests, 1, SHORT_PROMPT, 8)
     try:
 
@@ -237,7 +155,7 @@ def test_long_outputs_scale_the_decode_pool_and_leave_the_prefill_pool(base_url,
     assert_one(PREFILL)
     assert_one(DECODE)
     prefill_before = sum(served(http, "prefill"))
-    requests = Requests(base_url)
+    requests = Requests(base_url, "pd-autoscale")
     stop, workers = burst(requests, DECODE_THREADS, SHORT_PROMPT, LONG_OUT)
     try:
 
@@ -264,7 +182,7 @@ def test_long_outputs_scale_the_decode_pool_and_leave_the_prefill_pool(base_url,
     assert sum(served(http, "prefill")) - prefill_before == len(requests.sent)
 
     # After the burst the decode pool scales back to 1 while a client keeps sending.
-    requests = Requests(base_url)
+    requests = Requests(base_url, "pd-autoscale")
     stop, workers = burst(requests, 1, SHORT_PROMPT, 8)
     try:
 
