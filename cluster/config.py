@@ -54,6 +54,9 @@ class DeploymentConfig:
     prefill_num_cpus: float | None = None  # Ray CPUs per replica; None: a node's share
     decode_num_cpus: float | None = None
     pd_on_failure: str = "recompute"
+    # PD: a prompt of at most this many tokens is prefilled on its decode replica instead (0: every
+    # prompt goes through the prefill pool).
+    pd_local_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -68,6 +71,8 @@ class DeploymentConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.pd_on_failure not in PD_ON_FAILURE:
             raise ValueError(f"pd_on_failure must be one of {PD_ON_FAILURE}, got {self.pd_on_failure!r}")
+        if self.pd_local_prefill_tokens < 0:
+            raise ValueError("pd_local_prefill_tokens must be >= 0")
         if self.ingress_replicas < 1:
             raise ValueError("ingress_replicas must be >= 1")
         if self.max_ongoing_requests < 1:
@@ -242,6 +247,7 @@ class ServerArgs:
             server_args=tuple(self.to_dict().items()),
             decode_policy=PolicyConfig(**self.decode_policy_kwargs()),
             pd_on_failure=self.deployment.pd_on_failure,
+            pd_local_prefill_tokens=self.deployment.pd_local_prefill_tokens,
         )
 
     @property
@@ -330,6 +336,8 @@ HELP = {
     "decode_num_cpus": "PD: Ray CPUs per decode replica (default: a node's share)",
     "pd_on_failure": "PD: a decode side that fails after the prefill: recompute the rest on one "
     "replica, or end the request with an error",
+    "pd_local_prefill_tokens": "PD: prompts of at most this many tokens are prefilled on their decode "
+    "replica, skipping the prefill pool and the transfer (0: none are)",
     "kv_transfer": "PD: how KV moves from prefill to decode: auto (nccl on GPU, gloo on CPU) | gloo "
     "| nccl | ray (the object store)",
     "kv_transfer_timeout_s": "PD: a transfer not complete within this frees its slots on both sides",

@@ -3,6 +3,7 @@ prompts keep arriving while other requests decode long outputs.
 
     python -m load_tests.bench_pd                     # PD 1 prefill + 1 decode vs unified dp=2
     python -m load_tests.bench_pd --modes pd --long-prompt-tokens 3000
+    python -m load_tests.bench_pd --pd-local-prefill-tokens 0 128   # PD twice: all, or short local
 
 Each mode is deployed on a local Ray instance (each engine replica with `--cpus-per-replica`
 CPUs and as many torch threads), then driven by the same client: `--decoders` streams of short
@@ -42,12 +43,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, default=60.0)
     p.add_argument("--max-total-tokens", type=int, default=32768)
     p.add_argument("--chunked-prefill-size", type=int, default=2048, help="both modes (the server default)")
+    p.add_argument(
+        "--pd-local-prefill-tokens",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="PD runs, one per value: prompts this short are prefilled on their decode replica",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the report as JSON here")
     return p.parse_args(argv)
 
 
-def server_args(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def server_args(mode: str, args: argparse.Namespace, local_prefill: int = 0) -> dict[str, Any]:
     common = {
         "num_threads": args.cpus_per_replica,
         "max_total_tokens": args.max_total_tokens,
@@ -61,6 +69,7 @@ def server_args(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "prefill_num_cpus": args.cpus_per_replica,
             "decode_num_cpus": args.cpus_per_replica,
             "kv_transfer": args.kv_transfer,
+            "pd_local_prefill_tokens": local_prefill,
         }
     return {**common, "dp": 2, "replica_num_cpus": args.cpus_per_replica}
 
@@ -131,7 +140,7 @@ async def workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_mode(mode: str, args: argparse.Namespace, local_prefill: int = 0) -> dict[str, Any]:
     import ray
     from ray import serve
 
@@ -141,7 +150,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     ray.init(num_cpus=2 * args.cpus_per_replica, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(server_args(mode, args)), name=f"bench-{mode}", route_prefix="/")
+        serve.run(build_app(server_args(mode, args, local_prefill)), name=f"bench-{mode}", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         asyncio.run(warm_up(url))
         return asyncio.run(workload(url, args))
@@ -185,7 +194,13 @@ def print_table(report: dict[str, dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parse_args(argv)
-    report = {mode: run_mode(mode, args) for mode in args.modes}
+    report: dict[str, dict[str, Any]] = {}
+    for mode in args.modes:
+        if mode != "pd":
+            report[mode] = run_mode(mode, args)
+            continue
+        for local in args.pd_local_prefill_tokens:
+            report["pd" if local == 0 else f"pd,local<={local}"] = run_mode(mode, args, local)
     print_table(report)
     if args.out:
         with open(args.out, "w") as f:

@@ -24,10 +24,13 @@ def test_pd_flags_are_config_fields():
             "ray",
             "--pd-on-failure",
             "error",
+            "--pd-local-prefill-tokens",
+            "128",
         ]
     )
     d = args.deployment
     assert (d.pd, d.prefill_replicas, d.decode_replicas) == (True, 2, 3)
+    assert d.pd_local_prefill_tokens == args.ingress_config().pd_local_prefill_tokens == 128
     assert (d.prefill_num_cpus, d.decode_num_cpus, d.pd_on_failure) == (1.5, 0.5, "error")
     assert args.engine.kv_transfer == "ray" and args.engine.role == "unified"
     flat = args.to_dict()
@@ -41,6 +44,7 @@ def test_pd_flags_are_config_fields():
         ["--pd-on-failure", "retry"],
         ["--role", "prefill"],
         ["--prefill-replicas", "0"],
+        ["--pd-local-prefill-tokens", "-1"],
     ],
 )
 def test_bad_pd_flags_are_refused(argv, capsys):

@@ -217,7 +217,7 @@ def test_a_resend_after_a_lost_prefill_replica_goes_out_under_a_fresh_id():
     prefill = ScriptedPool(generate=[[ActorUnavailableError("lost", b"\0" * 16)], prefill_ok()])
     ing = Ingress.__new__(Ingress)  # the open/resend logic alone, without Serve behind it
     ing.replicas, ing.decode, ing.metrics = prefill, decode, Metrics("m")
-    ing.config = SimpleNamespace(pd_on_failure="recompute")  # type: ignore[assignment]
+    ing.config = SimpleNamespace(pd_on_failure="recompute", pd_local_prefill_tokens=0)  # type: ignore[assignment]
 
     async def go():
         stream = await ing.open(request())
@@ -233,3 +233,27 @@ def test_a_resend_after_a_lost_prefill_replica_goes_out_under_a_fresh_id():
         ("generate", "r"),
         ("generate", attempt_rid("r", "2")),
     ]
+
+
+def test_a_prompt_under_the_local_prefill_bound_is_served_whole_by_a_decode_replica():
+    """pd_local_prefill_tokens: a prompt this short skips the prefill pool and the transfer; a
+    longer one is disaggregated as usual."""
+    reservation = KVReservation("r", [TICKET]).to_dict()
+    decode = ScriptedPool(
+        generate=[[chunk(), final([11, 12], "AB", 2)]], reserve=[[reservation, final([12], "B", 2)]]
+    )
+    prefill = ScriptedPool(generate=[prefill_ok()])
+    ing = Ingress.__new__(Ingress)
+    ing.replicas, ing.decode, ing.metrics = prefill, decode, Metrics("m")
+    ing.config = SimpleNamespace(pd_on_failure="recompute", pd_local_prefill_tokens=len(PROMPT))  # type: ignore[assignment]
+
+    async def go(req):
+        stream = await ing.open(req)
+        return [c async for c in stream]
+
+    out = asyncio.run(go(request()))
+    assert [t for c in out for t in c.token_ids] == [11, 12]
+    assert [m for m, _ in decode.calls] == ["generate"] and prefill.calls == []
+    longer = GenerateRequest(PROMPT + [8], SamplingParams(max_new_tokens=4), rid="s", stream=True)
+    asyncio.run(go(longer))
+    assert [m for m, _ in decode.calls] == ["generate", "reserve"] and len(prefill.calls) == 1

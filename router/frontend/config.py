@@ -71,6 +71,7 @@ class IngressConfig:
     # prefill leads to (workers.protocol.PD_ON_FAILURE).
     decode_policy: PolicyConfig = PolicyConfig(policy="kv_aware")
     pd_on_failure: str = "recompute"
+    pd_local_prefill_tokens: int = 0  # PD: prompts this short are prefilled on their decode replica
 
     def server_info(self) -> dict[str, Any]:
         """The flat server arguments with the key settings masked."""

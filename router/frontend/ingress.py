@@ -192,8 +192,10 @@ class Ingress:
                 )
         raise AssertionError("unreachable")
 
-    async def _open(self, req: GenerateRequest, timer: RequestTimer) -> ReplicaStream:
-        gen = self.route(req).options(stream=True).generate.remote(req.to_dict())
+    async def _open(
+        self, req: GenerateRequest, timer: RequestTimer, pool: DeploymentHandle | None = None
+    ) -> ReplicaStream:
+        gen = (pool or self.route(req)).options(stream=True).generate.remote(req.to_dict())
         assert isinstance(gen, DeploymentResponseGenerator)  # a stream=True handle's call
         stream = ReplicaStream(gen, req.rid, timer)
         try:
@@ -206,8 +208,14 @@ class Ingress:
             raise
         return stream
 
-    async def _open_pd(self, req: GenerateRequest, timer: RequestTimer) -> PDStream:
+    async def _open_pd(self, req: GenerateRequest, timer: RequestTimer) -> Stream:
+        """A PD request: prefilled in the prefill pool, its KV moved to a decode replica; or, when
+        its prompt is at most `pd_local_prefill_tokens` long, served whole by a decode replica
+        (a short prefill costs its decode batch less than the round trip and the transfer cost
+        the request)."""
         assert self.decode is not None
+        if len(req.input_ids) <= self.config.pd_local_prefill_tokens:
+            return await self._open(req, timer, self.decode)
         stream = PDStream(req, self.replicas, self.decode, timer, self.config.pd_on_failure)
         await stream.open()
         return stream
