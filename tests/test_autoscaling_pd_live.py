@@ -98,31 +98,63 @@ def served(http: httpx.Client, role: str) -> list[int]:
     return [r["num_requests_total"] for r in replicas(http) if r["role"] == role]
 
 
+ROLE = {PREFILL: "prefill", DECODE: "decode"}
+
+
+def burst_scales_up(
+    base_url, http, pool: str, other: str, threads: int, prompt_len: int, out: int
+) -> Requests:
+    """A burst that must scale `pool` to 2 (and the new replica serve) while `other` stays at 1
+    throughout; returns its requests, every one answered."""
+    requests = Requests(base_url, "pd-autoscale")
+    stop, workers = burst(requests, threads, prompt_len, out)
+    try:
+
+        def scaled_up() -> bool:
+            assert_one(other)
+            return replica_states(pool).get("RUNNING") == 2
+
+        wait_for(scaled_up, 300, f"the {ROLE[pool]} pool's scale-up to 2 replicas")
+
+        def both_served() -> bool:
+            assert_one(other)
+            assert replica_states(pool).get("RUNNING") == 2  # no scale-down while the burst lasts
+            counts = served(http, ROLE[pool])
+            return len(counts) == 2 and all(c > 0 for c in counts)
+
+        wait_for(both_served, 180, f"the new {ROLE[pool]} replica to serve")
+    finally:
+        end(stop, workers)
+    assert_one(other)
+    requests.check()
+    return requests
+
+
+def scales_back_while_serving(base_url, pool: str, other: str) -> None:
+    """One client keeps sending short requests while a replica of `pool` drains and goes."""
+    requests = Requests(base_url, "pd-autoscale")
+    stop, workers = burst(requests, 1, SHORT_PROMPT, 8)
+    try:
+
+        def scaled_down() -> bool:
+            assert_one(other)
+            return replica_states(pool) == {"RUNNING": 1}
+
+        wait_for(scaled_down, 180, f"the {ROLE[pool]} pool's scale-down to 1 replica, drained")
+        sent = len(requests.sent)
+        wait_for(lambda: len(requests.answers) > sent, 60, "a request served by the remaining replica")
+    finally:
+        end(stop, workers)
+    requests.check()
+    assert_one(PREFILL)
+    assert_one(DECODE)
+
+
 def test_long_prompts_scale_the_prefill_pool_and_leave_the_decode_pool(base_url, http):
     wait_idle(http, kv_total=KV_TOTAL, timeout=120)
     assert_one(PREFILL)
     assert_one(DECODE)
-    requests = Requests(base_url, "pd-autoscale")
-    stop, workers = burst(requests, PREFILL_THREADS, LONG_PROMPT, SHORT_OUT)
-    try:
-
-        def prefill_up() -> bool:
-            assert_one(DECODE)
-            return replica_states(PREFILL).get("RUNNING") == 2
-
-        wait_for(prefill_up, 300, "the prefill pool's scale-up to 2 replicas")
-
-        def both_served() -> bool:
-            assert_one(DECODE)
-            assert replica_states(PREFILL).get("RUNNING") == 2  # no scale-down while the burst lasts
-            counts = served(http, "prefill")
-            return len(counts) == 2 and all(c > 0 for c in counts)
-
-        wait_for(both_served, 180, "the new prefill replica to serve")
-    finally:
-        end(stop, workers)
-    assert_one(DECODE)
-    requests.check()
+    requests = burst_scales_up(base_url, http, PREFILL, DECODE, PREFILL_THREADS, LONG_PROMPT, SHORT_OUT)
     # No request ran twice (or was recomputed elsewhere): each went through one prefill replica
     # and the one decode replica exactly once.
     assert sum(served(http, "prefill")) == len(requests.sent)
@@ -131,22 +163,7 @@ def test_long_prompts_scale_the_prefill_pool_and_leave_the_decode_pool(base_url,
 
 def test_after_the_long_prompts_the_prefill_pool_scales_back_to_one(base_url, http):
     """One client keeps sending short requests while a prefill replica drains and goes."""
-    requests = Requests(base_url, "pd-autoscale")
-    stop, workers = burst(requests, 1, SHORT_PROMPT, 8)
-    try:
-
-        def prefill_down() -> bool:
-            assert_one(DECODE)
-            return replica_states(PREFILL) == {"RUNNING": 1}
-
-        wait_for(prefill_down, 180, "the prefill pool's scale-down to 1 replica, drained")
-        sent = len(requests.sent)
-        wait_for(lambda: len(requests.answers) > sent, 60, "a request served by the remaining replica")
-    finally:
-        end(stop, workers)
-    requests.check()
-    assert_one(PREFILL)
-    assert_one(DECODE)
+    scales_back_while_serving(base_url, PREFILL, DECODE)
     wait_idle(http, kv_total=KV_TOTAL, timeout=60)
 
 
@@ -155,48 +172,13 @@ def test_long_outputs_scale_the_decode_pool_and_leave_the_prefill_pool(base_url,
     assert_one(PREFILL)
     assert_one(DECODE)
     prefill_before = sum(served(http, "prefill"))
-    requests = Requests(base_url, "pd-autoscale")
-    stop, workers = burst(requests, DECODE_THREADS, SHORT_PROMPT, LONG_OUT)
-    try:
-
-        def decode_up() -> bool:
-            assert_one(PREFILL)
-            return replica_states(DECODE).get("RUNNING") == 2
-
-        wait_for(decode_up, 300, "the decode pool's scale-up to 2 replicas")
-
-        def both_served() -> bool:
-            assert_one(PREFILL)
-            assert replica_states(DECODE).get("RUNNING") == 2  # no scale-down while the burst lasts
-            counts = served(http, "decode")
-            return len(counts) == 2 and all(c > 0 for c in counts)
-
-        wait_for(both_served, 180, "the new decode replica to serve")
-    finally:
-        end(stop, workers)
-    assert_one(PREFILL)
-    requests.check()
+    requests = burst_scales_up(base_url, http, DECODE, PREFILL, DECODE_THREADS, SHORT_PROMPT, LONG_OUT)
     # No request ran twice: a second try goes through the prefill pool again, which had one
     # replica throughout. (The decode pool may already be scaling down as the last long outputs
     # finish, taking its count along: it is counted in the first test, where it has one replica.)
     assert sum(served(http, "prefill")) - prefill_before == len(requests.sent)
 
     # After the burst the decode pool scales back to 1 while a client keeps sending.
-    requests = Requests(base_url, "pd-autoscale")
-    stop, workers = burst(requests, 1, SHORT_PROMPT, 8)
-    try:
-
-        def decode_down() -> bool:
-            assert_one(PREFILL)
-            return replica_states(DECODE) == {"RUNNING": 1}
-
-        wait_for(decode_down, 180, "the decode pool's scale-down to 1 replica, drained")
-        sent = len(requests.sent)
-        wait_for(lambda: len(requests.answers) > sent, 60, "a request served by the remaining replica")
-    finally:
-        end(stop, workers)
-    requests.check()
-    assert_one(PREFILL)
-    assert_one(DECODE)
+    scales_back_while_serving(base_url, DECODE, PREFILL)
     rs = wait_idle(http, kv_total=KV_TOTAL, timeout=60)
     assert sorted(r["role"] for r in rs) == ["decode", "prefill"]
