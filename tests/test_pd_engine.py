@@ -161,8 +161,8 @@ def test_the_transfer_moves_each_layer_as_the_last_chunk_computes_it(engines):
     handoff = prefill.core.handoff
     real, seen = handoff.stream_layers, []
 
-    def spy(plan):
-        callback = real(plan)
+    def spy(plan, layerwise):
+        callback = real(plan, layerwise)
         if callback is None:
             return None
         starts = [s for r, s in zip(plan.reqs, plan.starts) if r.kv_ticket is not None]

@@ -46,20 +46,40 @@ class KVTicket:
     The receiver already holds the first `held_tokens` tokens (its radix cache matched them), so
     only the rest moves; `dst_slots` are in token order and were allocated before the ticket was
     issued. Valid until the receiver's deadline for it passes.
+
+    A tensor-parallel receiver's KV is spread over its ranks' pools (each its own heads, at the
+    same slots): `endpoint` is rank 0's, `rank_endpoints` ranks 1..N-1's, and rank r of the sender
+    (of the same degree) sends its heads to rank r (`for_rank`).
     """
 
     transfer_id: str
     endpoint: KVEndpoint
     dst_slots: tuple[int, ...]
     held_tokens: int = 0
+    rank_endpoints: tuple[KVEndpoint, ...] = ()
+
+    @property
+    def tp_size(self) -> int:
+        """The receiving replica's tensor-parallel degree."""
+        return 1 + len(self.rank_endpoints)
+
+    def for_rank(self, rank: int) -> KVTicket:
+        """The ticket rank `rank` of the sender uses: the same transfer, into its peer rank."""
+        if not 0 <= rank < self.tp_size:
+            raise ValueError(f"transfer {self.transfer_id!r} has {self.tp_size} rank(s), not a rank {rank}")
+        endpoint = self.endpoint if rank == 0 else self.rank_endpoints[rank - 1]
+        return dataclasses.replace(self, endpoint=endpoint, rank_endpoints=())
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "transfer_id": self.transfer_id,
             "endpoint": self.endpoint.to_dict(),
             "dst_slots": list(self.dst_slots),
             "held_tokens": self.held_tokens,
         }
+        if self.rank_endpoints:
+            d["rank_endpoints"] = [e.to_dict() for e in self.rank_endpoints]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVTicket:
@@ -68,6 +88,7 @@ class KVTicket:
             endpoint=KVEndpoint.from_dict(d["endpoint"]),
             dst_slots=tuple(int(s) for s in d["dst_slots"]),
             held_tokens=int(d.get("held_tokens", 0)),
+            rank_endpoints=tuple(KVEndpoint.from_dict(e) for e in d.get("rank_endpoints", ())),
         )
 
 

@@ -47,8 +47,13 @@ class CacheSummary:
 
 
 @dataclass(frozen=True)
+class RankTransfersOpen:
+    done: Future  # the KV transfers open on the tensor-parallel followers (0 at tp_size 1)
+
+
+@dataclass(frozen=True)
 class Stop:
     """Leave the loop; requests still in flight end with an EngineError."""
 
 
-Command = AddRequest | ReserveRequest | AbortRequest | FlushCache | CacheSummary | Stop
+Command = AddRequest | ReserveRequest | AbortRequest | FlushCache | CacheSummary | RankTransfersOpen | Stop

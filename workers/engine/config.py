@@ -99,10 +99,6 @@ class EngineConfig:
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
         ParallelConfig(self.tp_size, self.ep_size)  # raises for sizes without a layout
-        if self.role != "unified" and self.tp_size > 1:
-            # A prefill replica sends its own pool's KV, which at tp_size > 1 holds rank 0's heads
-            # only: refused until the transfer moves every rank's share.
-            raise ValueError("prefill/decode roles do not combine with tp_size > 1 yet")
 
     @property
     def parallel(self) -> ParallelConfig:

@@ -25,6 +25,7 @@ from radixserve.workers.engine.commands import (
     CacheSummary,
     Command,
     FlushCache,
+    RankTransfersOpen,
     ReserveRequest,
     Stop,
 )
@@ -197,6 +198,13 @@ class Engine:
         the router's tree. Blocks like `flush_cache`."""
         fut: Future = Future()
         self._inbox.put(CacheSummary(max_tokens, fut))
+        return fut.result(timeout=60)
+
+    def rank_transfers_open(self) -> int:
+        """The KV transfers a prefill or decode replica's tensor-parallel followers hold open: 0
+        at idle (the idle invariant on every rank). Blocks like `flush_cache`."""
+        fut: Future = Future()
+        self._inbox.put(RankTransfersOpen(fut))
         return fut.result(timeout=60)
 
     @property

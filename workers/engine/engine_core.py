@@ -17,7 +17,6 @@ them gets an EngineError on its stream, and the others keep running.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -34,6 +33,7 @@ from radixserve.workers.engine.commands import (
     CacheSummary,
     Command,
     FlushCache,
+    RankTransfersOpen,
     ReserveRequest,
     Stop,
 )
@@ -50,6 +50,7 @@ from radixserve.workers.executor.cpu_runtime import tune_malloc
 from radixserve.workers.executor.forward_worker import ForwardJob, ForwardWorker
 from radixserve.workers.executor.model_runner import ModelRunner
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
+from radixserve.workers.executor.tp_kv import RankKVSpec, fingerprint_of
 from radixserve.workers.executor.tp_leader import TPLeader
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.mem_cache.memory import max_tokens_for_memory
@@ -85,6 +86,7 @@ class EngineCore:
             config.attention_backend,
             config.num_threads,
             rank_launcher,
+            kv=_rank_kv(config),
         )
         try:
             loaded = load_model(config.model_path, dtype, config.attention_backend, parallel=self.tp.parallel)
@@ -148,7 +150,8 @@ class EngineCore:
                 self.outputs,
                 self.inflight,
                 self.served_model_name,
-                _fingerprint(loaded),
+                fingerprint_of(loaded),
+                self.tp.rank_transfers(config.role),
             )
         self.timing = StepStats()
         self.counters = dict(computed_tokens_total=0)
@@ -183,6 +186,13 @@ class EngineCore:
                 req.kv_ticket = KVTicket.from_dict(ticket)
                 if req.kv_ticket.held_tokens + len(req.kv_ticket.dst_slots) != len(req.origin_input_ids):
                     raise InvalidRequest("the KV ticket does not cover the prompt", "kv_tickets")
+                if req.kv_ticket.tp_size != self.config.tp_size:
+                    raise InvalidRequest(
+                        f"the decode replica runs tp_size {req.kv_ticket.tp_size} and this prefill "
+                        f"replica tp_size {self.config.tp_size}: KV moves rank to rank between "
+                        "replicas of one degree only",
+                        "kv_tickets",
+                    )
         return reqs
 
     def num_running(self) -> int:
@@ -235,6 +245,8 @@ class EngineCore:
                 _answer(cmd.done, self.flush_cache)
             case CacheSummary():
                 _answer(cmd.done, lambda: self.cache.cached_paths(cmd.max_tokens))
+            case RankTransfersOpen():
+                _answer(cmd.done, self.rank_transfers_open)
             case Stop():
                 return False
             case _:
@@ -314,6 +326,11 @@ class EngineCore:
         if self.inflight or self.scheduler.has_work() or busy:  # inflight: a request owes a chunk
             return False
         return bool(self.cache.reset())
+
+    def rank_transfers_open(self) -> int:
+        """Between steps: the KV transfers the tensor-parallel followers hold open (0 at idle)."""
+        ranks = self.handoff.ranks if self.handoff is not None else None
+        return ranks.open_count() if ranks is not None else 0
 
     def rank_failure(self) -> str | None:
         """Between steps: why the tensor-parallel group can no longer serve, or None (always at
@@ -424,8 +441,12 @@ class EngineCore:
         except Exception as exc:
             self._fail_batch(plan, "preparing the model step", exc, out)
             return None
-        if self.handoff is not None and self.config.role == "prefill" and self.config.kv_transfer_layerwise:
-            job.batch.layer_done = self.handoff.stream_layers(plan)
+        if self.handoff is not None and self.config.role == "prefill":
+            try:
+                job.batch.layer_done = self.handoff.stream_layers(plan, self.config.kv_transfer_layerwise)
+            except Exception as exc:  # the tensor-parallel group is gone: the engine ends
+                self._fail_batch(plan, "starting the batch's KV transfers", exc, out)
+                return None
         return job
 
     def _release_finished(self) -> None:
@@ -518,14 +539,11 @@ class EngineCore:
             self.handoff.close()
 
 
-def _fingerprint(loaded: Any) -> str:
-    """The model's identity for the KV transfer handshake: prefill and decode must agree."""
-    from radixserve.workers.disaggregation import model_fingerprint
-
-    mc = loaded.config
-    is_instance = dataclasses.is_dataclass(mc) and not isinstance(mc, type)
-    config = dataclasses.asdict(mc) if is_instance else dict(vars(mc))
-    return model_fingerprint(config, loaded.model.state_dict().items())
+def _rank_kv(config: EngineConfig) -> RankKVSpec | None:
+    """What a prefill or decode replica's following ranks need for KV transfers of their own."""
+    if config.role == "unified":
+        return None
+    return RankKVSpec(config.role, config.kv_transfer, config.kv_transfer_timeout_s, config.served_model_name)
 
 
 def _answer(fut: Future, fn: Callable[[], Any]) -> None:

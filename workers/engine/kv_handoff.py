@@ -18,10 +18,16 @@ enters this replica's tree when the send settled (not while the pair may still r
 the tree would free duplicates of slots it already holds).
 
 Either way a transfer that does not settle within `kv_transfer_timeout_s` frees its slots.
+
+At tp_size > 1 every rank moves its own heads, rank r to rank r of the peer replica
+(executor/tp_kv.py): the followers expect, send and cancel on this rank's orders (`self.ranks`),
+and a sequence is admitted (decode) or its slots released (prefill) only once every rank's part
+of its transfer has settled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -33,6 +39,7 @@ from radixserve.workers.disaggregation import (
     KVTicket,
     KVTransferConfig,
     KVTransferEngine,
+    KVTransferError,
     RecvHandle,
     SendHandle,
     create_kv_transfer_engine,
@@ -43,6 +50,7 @@ from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.schedule_policy import match_key
 from radixserve.workers.engine.scheduler import Scheduler
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
+from radixserve.workers.executor.tp_kv import RECV, SEND, RankTransfers
 from radixserve.workers.protocol import QueueFull, TransferFailed
 
 logger = logging.getLogger("radixserve.engine")
@@ -71,6 +79,7 @@ class KVHandoff:
         inflight: InflightRequests,
         served_model_name: str,
         fingerprint: str,
+        ranks: RankTransfers | None = None,
     ):
         self.role = role
         self.timeout_s = timeout_s
@@ -93,6 +102,10 @@ class KVHandoff:
         self.sending: dict[str, _Send] = {}  # prefill: by sequence key
         # prefill: transfers begun with a last prefill chunk, until its first token closes them
         self.streaming: dict[str, tuple[Req, SendHandle]] = {}
+        # tp_size > 1: the followers' part of each transfer. Prefill: the transfers they send, by
+        # sequence key, from the batch that completes the prompt until this rank releases it.
+        self.ranks = ranks
+        self.rank_sends: dict[str, tuple[Req, str]] = {}
         self.num_layers = len(self.pool.k_buffers)
         self.counters = dict(
             pd_transfers_received_total=0,
@@ -101,7 +114,7 @@ class KVHandoff:
         )
 
     def busy(self) -> bool:
-        return bool(self.receiving or self.landed or self.sending or self.streaming)
+        return bool(self.receiving or self.landed or self.sending or self.streaming or self.rank_sends)
 
     def detach(self, req: Req) -> bool:
         """A finished sequence leaves the running batch: True if its slots stay locked here for a
@@ -116,18 +129,32 @@ class KVHandoff:
     def reserve(self, reqs: list[Req]) -> list[dict[str, Any]]:
         """Slots and a ticket for each sequence's prompt past the cached prefix; all or none
         (raises QueueFull when the rows or the KV pool cannot take them now)."""
-        tickets = []
+        handles: list[RecvHandle] = []
         try:
             for req in reqs:
-                tickets.append(self._reserve_one(req).ticket.to_dict())
+                handles.append(self._reserve_one(req))
+            if self.ranks is not None:  # the followers expect the same transfers, into the same slots
+                self.ranks.expect(
+                    [
+                        {
+                            "id": h.ticket.transfer_id,
+                            "slots": list(h.ticket.dst_slots),
+                            "held": h.ticket.held_tokens,
+                            "timeout": self.timeout_s,
+                        }
+                        for h in handles
+                    ]
+                )
         except BaseException:
-            for req in reqs:
-                entry = self.receiving.pop(req.key, None)
-                if entry is not None:
-                    entry[1].cancel("reservation refused")
-                    self._free_reserved(req)
+            refused = [e for e in (self.receiving.pop(r.key, None) for r in reqs) if e is not None]
+            for _req, handle in refused:
+                handle.cancel("reservation refused")
+            self._cancel_ranks(RECV, [h.ticket.transfer_id for _r, h in refused], "reservation refused")
+            for req, _handle in refused:
+                self._free_reserved(req)
             raise
-        return tickets
+        endpoints = self.ranks.endpoints if self.ranks is not None else ()
+        return [dataclasses.replace(h.ticket, rank_endpoints=endpoints).to_dict() for h in handles]
 
     def _reserve_one(self, req: Req) -> RecvHandle:
         row = self.scheduler.req_pool.alloc()
@@ -171,12 +198,20 @@ class KVHandoff:
 
     def _poll_receiving(self, out: list) -> None:
         for key, (req, handle) in list(self.receiving.items()):
+            transfer_id = handle.ticket.transfer_id
             if req.aborted:
                 handle.cancel("the request ended")
             elif not handle.done():
                 continue
-            del self.receiving[key]
             error = None if req.aborted else handle.future.exception()
+            if self.ranks is not None and error is None and not req.aborted:
+                ranks_error = self.ranks.settled(RECV, transfer_id)
+                if ranks_error is None:
+                    continue  # this rank's part is in, a follower's is not yet
+                error = KVTransferError(ranks_error) if ranks_error else None
+            elif self.ranks is not None:  # the followers' parts are not wanted any more
+                self._cancel_ranks(RECV, [transfer_id], "the transfer failed on rank 0 or the request ended")
+            del self.receiving[key]
             if req.aborted or error is not None:
                 self._free_reserved(req)
                 if error is not None:
@@ -224,22 +259,36 @@ class KVHandoff:
         return req.key in self.receiving or req.key in self.landed
 
     # Prefill side ----------------------------------------------------------------------------
-    def stream_layers(self, plan: ScheduledBatch) -> Callable[[int], None] | None:
+    def stream_layers(self, plan: ScheduledBatch, layerwise: bool = True) -> Callable[[int], None] | None:
         """Before a prefill forward: begin the transfer of every ticketed sequence whose prompt
         this step completes. The KV already in the pool (earlier chunks, this replica's cached
         prefix) is queued now; the returned callback (ForwardBatch.layer_done, called on the
         forward's thread) queues each layer of this chunk once the forward has written it. None
-        if no sequence of the plan starts a transfer."""
+        if no sequence of the plan starts a transfer. Not `layerwise`: this rank sends each
+        prompt whole once its first token is there (`start_send`).
+
+        At tp_size > 1 the followers are ordered to do the same with their own heads, with this
+        batch (whether or not layerwise)."""
         if plan.kind is not BatchKind.PREFILL:
             return None
-        started: list[tuple[SendHandle, int]] = []
+        completing = []
         for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
             ticket: KVTicket | None = req.kv_ticket
             end = len(req.origin_input_ids)
             if ticket is None or req.output_ids or start + n != end or req.key in self.streaming:
                 continue
+            if req.key in self.rank_sends:
+                continue
+            completing.append((req, start, max(start, ticket.held_tokens) - ticket.held_tokens))
+        if self.ranks is not None:
+            self._order_rank_sends(completing, layerwise)
+        if not layerwise:
+            return None
+        started: list[tuple[SendHandle, int]] = []
+        for req, _start, first in completing:
+            ticket = req.kv_ticket
+            end = len(req.origin_input_ids)
             held = ticket.held_tokens
-            first = max(start, held) - held  # this chunk's first token the decode side lacks
             try:
                 handle = self.transfer.send(ticket, req.kv_slots[held:end], timeout=self.timeout_s)
                 if first > 0:
@@ -264,12 +313,47 @@ class KVHandoff:
 
         return layer_done
 
+    def _order_rank_sends(self, completing: list[tuple[Req, int, int]], layerwise: bool) -> None:
+        assert self.ranks is not None
+        items: list[dict[str, Any]] = []
+        for req, _start, first in completing:
+            ticket: KVTicket = req.kv_ticket
+            items.append(
+                {
+                    "id": ticket.transfer_id,
+                    "ticket": ticket.to_dict(),
+                    "slots": req.kv_slots[ticket.held_tokens : len(req.origin_input_ids)],
+                    "first": first,
+                    "layerwise": layerwise,
+                    "timeout": self.timeout_s,
+                }
+            )
+        if not items:
+            return
+        try:
+            self.ranks.send(items)
+        except KVTransferError:
+            # A follower could not take the order: the decode side fails these transfers at its
+            # deadline (or the router cancels them) and the request is recomputed there.
+            logger.exception("ordering the followers' KV sends failed")
+            self._cancel_ranks(SEND, [i["id"] for i in items], "a rank could not start its part")
+            return
+        for req, _start, _first in completing:
+            self.rank_sends[req.key] = (req, req.kv_ticket.transfer_id)
+            # The followers read these slots until their sends settle: the prompt enters the tree
+            # (which may free duplicates of slots it holds) only after that.
+            req.kv_streaming = True
+
     def _poll_streaming(self) -> None:
         """Transfers begun for sequences that ended (aborted, failed) before their first token."""
         for key, (req, handle) in list(self.streaming.items()):
             if req.aborted or req.error is not None or req.finished:
                 del self.streaming[key]
                 handle.cancel("the request ended before its first token")
+        for key, (req, transfer_id) in list(self.rank_sends.items()):
+            if key not in self.sending and (req.aborted or req.error is not None or req.finished):
+                del self.rank_sends[key]
+                self._cancel_ranks(SEND, [transfer_id], "the request ended before its first token")
 
     def start_send(self, req: Req) -> None:
         """Close the transfer of a sequence that just sampled its first token (begun by
@@ -289,6 +373,7 @@ class KVHandoff:
             # The decode side fails the request at its deadline (or when the router cancels it).
             logger.exception("request %s: starting the KV transfer failed", req.rid)
             self.counters["pd_transfers_failed_total"] += 1
+            self._drop_rank_send(req.key, "rank 0 could not send its part")
             return
         self.sending[req.key] = _Send(req, handle, time.monotonic() + self.timeout_s + LEASE_GRACE_S)
 
@@ -302,13 +387,39 @@ class KVHandoff:
                 if now < send.lease_end:
                     continue
                 handle.cancel("the sender's lease ran out")
+            error = handle.future.exception()
+            if key in self.rank_sends and self.ranks is not None:
+                ranks_error = self.ranks.settled(SEND, self.rank_sends[key][1]) if error is None else None
+                if ranks_error is None:  # a follower's part has not settled
+                    if error is None and now < send.lease_end:
+                        continue
+                    self._drop_rank_send(key, "the transfer failed on rank 0 or its lease ran out")
+                    error = error or KVTransferError("a rank's part did not settle within the lease")
+                else:
+                    del self.rank_sends[key]
+                    error = KVTransferError(ranks_error) if ranks_error else None
             del self.sending[key]
-            if handle.future.exception() is None:
+            if error is None:
                 self.counters["pd_transfers_sent_total"] += 1
             else:
                 self.counters["pd_transfers_failed_total"] += 1
-                logger.warning("request %s: KV transfer failed: %s", req.rid, handle.future.exception())
+                logger.warning("request %s: KV transfer failed: %s", req.rid, error)
             self.scheduler.release(req)
+
+    def _drop_rank_send(self, key: str, reason: str) -> None:
+        entry = self.rank_sends.pop(key, None)
+        if entry is not None:
+            self._cancel_ranks(SEND, [entry[1]], reason)
+
+    def _cancel_ranks(self, kind: str, ids: list[str], reason: str) -> None:
+        """Stop the followers' parts of these transfers; returns once none touches their slots.
+        A group that is gone raises nothing here: its ranks touch nothing any more."""
+        if self.ranks is None or not ids:
+            return
+        try:
+            self.ranks.cancel(kind, ids, reason)
+        except Exception:
+            logger.warning("cancelling the followers' KV transfers failed", exc_info=True)
 
     # Both ------------------------------------------------------------------------------------
     def poll(self, out: list) -> None:
@@ -322,8 +433,14 @@ class KVHandoff:
 
     def fail_all(self) -> None:
         """Drop every transfer and give its slots back (the requests were failed already)."""
-        for req, handle in self.receiving.values():
+        for _req, handle in self.receiving.values():
             handle.cancel("the engine stopped")
+        self._cancel_ranks(
+            RECV, [h.ticket.transfer_id for _r, h in self.receiving.values()], "the engine stopped"
+        )
+        self._cancel_ranks(SEND, [tid for _r, tid in self.rank_sends.values()], "the engine stopped")
+        self.rank_sends.clear()
+        for req, _handle in self.receiving.values():
             self._free_reserved(req)
         for req, _aux in self.landed.values():
             self._free_reserved(req)

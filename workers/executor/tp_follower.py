@@ -7,7 +7,9 @@ Start-up goes through the TCPStore that rank 0 serves (spec.host, spec.port), so
 tell a rank that is still loading from one that failed or died: the rank announces it has joined,
 joins the group, loads its shard, reads the pool layout rank 0 publishes (slot count and page
 size), allocates its pool and announces it is ready; a failure on the way is published with its
-message. Then it loops on `broadcast_batch`. A collective that fails (rank 0 gone, or silent past
+message. A rank of a prefill or decode replica also starts a KV transfer engine of its own
+(executor/tp_kv.py) and acts on rank 0's transfer orders between batches. Then it loops on
+`broadcast_batch`. A collective that fails (rank 0 gone, or silent past
 the group's timeout: rank 0 sends keepalives while idle) ends the loop and the process.
 
 The follower holds no allocator state: its KVPool has the slot count of rank 0's and this rank's
@@ -23,6 +25,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
 from radixserve.workers.executor.cpu_runtime import tune_malloc
+from radixserve.workers.executor.tp_kv import FollowerTransfers, RankKVSpec
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.models.forward_batch import broadcast_batch
 from radixserve.workers.models.loader import load_model
@@ -61,6 +65,7 @@ class FollowerSpec:
     num_threads: int
     start_timeout_s: float
     step_timeout_s: float  # the group's collective timeout
+    kv: RankKVSpec | None = None  # a prefill or decode replica's: this rank's own KV transfers
 
 
 def follow(rank: int, spec: FollowerSpec) -> None:
@@ -72,25 +77,37 @@ def follow(rank: int, spec: FollowerSpec) -> None:
     store = dist.TCPStore(spec.host, spec.port, spec.world_size, False, timeout=timeout)
     store.set(rank_key("joined", rank), str(os.getpid()))
     group = CommGroup.init(store, rank, spec.world_size, backend="gloo", timeout_s=spec.step_timeout_s)
+    transfers: FollowerTransfers | None = None
     try:
         try:
-            model, pool = _load(spec, group, store)
+            loaded, pool = _load(spec, group, store)
+            if spec.kv is not None:
+                transfers = FollowerTransfers.start(rank, spec.kv, pool, loaded, store)
         except BaseException as exc:
             store.set(rank_key("failed", rank), f"{type(exc).__name__}: {exc}")
             raise
         store.set(rank_key("ready", rank), "1")
+        model = loaded.model
+        on_control = transfers.on_control if transfers is not None else None
         try:
             with torch.inference_mode():
-                while (batch := broadcast_batch(group)) is not None:
+                while (batch := broadcast_batch(group, on_control=on_control)) is not None:
+                    if transfers is None:
+                        model(batch, pool)
+                        continue
+                    batch.layer_done = transfers.begin_batch()
                     model(batch, pool)
+                    transfers.end_batch()
         except RuntimeError as exc:  # the group broke: rank 0 is gone or stuck
             logger.error("tensor-parallel rank %d stops: its group failed: %s", rank, exc)
             return
     finally:
+        if transfers is not None:
+            transfers.close()
         group.destroy()
 
 
-def _load(spec: FollowerSpec, group: CommGroup, store: dist.Store) -> tuple[torch.nn.Module, KVPool]:
+def _load(spec: FollowerSpec, group: CommGroup, store: dist.Store) -> tuple[Any, KVPool]:
     parallel = Parallel(ParallelConfig(spec.world_size, spec.ep_size), group)
     loaded = load_model(spec.model_path, spec.dtype, spec.attention_backend, parallel=parallel)
     layout = json.loads(store.get(POOL_KEY))  # waits: rank 0 publishes it once its own pool is sized
@@ -103,4 +120,4 @@ def _load(spec: FollowerSpec, group: CommGroup, store: dist.Store) -> tuple[torc
         dtype=mc.dtype,
         page_size=int(layout["page_size"]),
     )
-    return loaded.model, pool
+    return loaded, pool

@@ -34,7 +34,13 @@ from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.launch import LocalLauncher, RankHandle, RankLauncher
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
 from radixserve.workers.executor.tp_follower import POOL_KEY, FollowerSpec, follow, rank_key
-from radixserve.workers.models.forward_batch import ForwardBatch, broadcast_batch, broadcast_keepalive
+from radixserve.workers.executor.tp_kv import RankKVSpec, RankTransfers
+from radixserve.workers.models.forward_batch import (
+    ForwardBatch,
+    broadcast_batch,
+    broadcast_control,
+    broadcast_keepalive,
+)
 from radixserve.workers.models.loader import read_config, resolve_dtype, resolve_model_dir
 
 logger = logging.getLogger("radixserve.engine")
@@ -88,10 +94,12 @@ class TPLeader:
         attention_backend: str,
         num_threads: int | None,
         launcher: RankLauncher | None = None,
+        kv: RankKVSpec | None = None,
     ) -> TPLeader:
         """Check the model's layout over `config`, start ranks 1..N-1 and join them as rank 0.
         Raises ValueError for a layout the model does not have (before anything starts) and
-        RuntimeError naming the rank that failed to start."""
+        RuntimeError naming the rank that failed to start. `kv`: the ranks of a prefill or decode
+        replica each move their own heads' KV (executor/tp_kv.py)."""
         if config.tp_size == 1:
             return cls.single()
         model_dir, _ = resolve_model_dir(model_path)  # converts a GGUF once, here
@@ -115,6 +123,7 @@ class TPLeader:
             num_threads=threads,
             start_timeout_s=START_TIMEOUT_S,
             step_timeout_s=STEP_TIMEOUT_S,
+            kv=kv,
         )
         handles = launcher.start(follow, range(1, config.tp_size), spec)
         leader = cls(Parallel.single(), store, handles, threads)
@@ -177,6 +186,29 @@ class TPLeader:
             except Exception as exc:
                 self.failure = self.explain(exc)
         return self.failure
+
+    def control(self, order: dict[str, Any]) -> tuple[int, int]:
+        """Between steps: an order every follower acts on before the next batch (KV transfers);
+        how many failed it, and the sum of the others' answers. Raises RankFailed if the group is
+        gone."""
+        if self.failure is not None:
+            raise RankFailed(self.failure)
+        try:
+            answer = broadcast_control(self.group, order)
+        except Exception as exc:
+            raise RankFailed(self.explain(exc)) from exc
+        self._last_sent = time.monotonic()
+        return answer
+
+    def rank_transfers(self, role: str) -> RankTransfers | None:
+        """Rank 0's handle on the followers' KV transfers (None at tp_size 1). Once the group
+        is ready: a decode follower's endpoint is published by then."""
+        if self.world_size == 1:
+            return None
+        assert self.store is not None, "a group of several ranks has a store"
+        if role == "decode":
+            return RankTransfers.for_decode(self.world_size, self.control, self.store)
+        return RankTransfers(self.world_size, self.control, self.store)
 
     def explain(self, exc: BaseException) -> str:
         """Why a collective failed: the rank that ended, if one did within FAILURE_GRACE_S."""

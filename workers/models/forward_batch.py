@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,9 @@ class ForwardBatch:
 
 _STOP = -1  # the header's mode when the scheduling rank ends the followers' loop
 _KEEPALIVE = -2  # a header with no batch: the scheduling rank is idle, but alive
+_CONTROL = -3  # a header followed by one JSON order for the followers' own state (KV transfers)
+
+logger = logging.getLogger("radixserve.engine")
 
 
 def broadcast_keepalive(group: CommGroup) -> None:
@@ -76,11 +80,44 @@ def broadcast_keepalive(group: CommGroup) -> None:
         group.broadcast(torch.tensor([_KEEPALIVE, 0, 0, 0], dtype=torch.int64, device=group.device))
 
 
-def broadcast_batch(group: CommGroup, batch: ForwardBatch | None = None, src: int = 0) -> ForwardBatch | None:
+def broadcast_control(group: CommGroup, order: dict[str, Any]) -> tuple[int, int]:
+    """From the scheduling rank (0) between batches: one JSON order that every follower hands to
+    the `on_control` of its `broadcast_batch` before the next batch. Returns once every rank has
+    acted on it (a closing sum over the group): how many followers failed it, and the sum of the
+    counts the others' `on_control` returned."""
+    if group.world_size == 1:
+        return 0, 0
+    group.broadcast(torch.tensor([_CONTROL, 0, 0, 0], dtype=torch.int64, device=group.device))
+    group.broadcast_object(order)
+    failed, total = group.all_reduce(torch.zeros(2, dtype=torch.int64, device=group.device)).tolist()
+    return int(failed), int(total)
+
+
+def _follow_control(
+    group: CommGroup, src: int, on_control: Callable[[dict[str, Any]], int | None] | None
+) -> None:
+    order = group.broadcast_object(None, src)
+    failed = count = 0
+    try:
+        if on_control is None:
+            raise RuntimeError(f"this rank takes no orders, got {order.get('op')!r}")
+        count = int(on_control(order) or 0)
+    except Exception:
+        logger.exception("tensor-parallel rank %d: an order of rank %d failed", group.rank, src)
+        failed = 1
+    group.all_reduce(torch.tensor([failed, count], dtype=torch.int64, device=group.device))
+
+
+def broadcast_batch(
+    group: CommGroup,
+    batch: ForwardBatch | None = None,
+    src: int = 0,
+    on_control: Callable[[dict[str, Any]], int | None] | None = None,
+) -> ForwardBatch | None:
     """Rank `src`'s batch on every rank of `group`: two broadcasts (the sizes, then one int64 tensor
     of every field; the tensors land on the group's device). The other ranks pass nothing; `src`
-    passing None tells them to stop (they get None); keepalives (`broadcast_keepalive`) between
-    batches are consumed here:
+    passing None tells them to stop (they get None); keepalives (`broadcast_keepalive`) and orders
+    (`broadcast_control`, handed to `on_control`) between batches are consumed here:
 
         while (batch := broadcast_batch(group)) is not None:   # a following rank's loop
             model(batch, kv_pool)
@@ -92,7 +129,9 @@ def broadcast_batch(group: CommGroup, batch: ForwardBatch | None = None, src: in
         mode = list(ForwardMode).index(batch.mode)
         header.copy_(torch.tensor([mode, batch.batch_size, batch.num_tokens, batch.kv_indices.shape[1]]))
     mode, b, t, width = group.broadcast(header, src).tolist()
-    while mode == _KEEPALIVE and group.rank != src:
+    while mode in (_KEEPALIVE, _CONTROL) and group.rank != src:
+        if mode == _CONTROL:
+            _follow_control(group, src, on_control)
         header.fill_(_STOP)
         mode, b, t, width = group.broadcast(header, src).tolist()
     if mode == _STOP:

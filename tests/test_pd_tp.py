@@ -1,0 +1,237 @@
+"""PD with tensor parallelism at the engine level, without Ray: a prefill and a decode engine at
+tp_size 2 (two ranks each, local processes), every rank moving its own KV heads to the same rank
+of the other replica over loopback gloo, driven as the ingress drives them; against a unified
+engine at tp_size 1. One process holds one tensor-parallel group, so the prefill engine runs in a
+process of its own and answers over a pipe.
+
+After every test both replicas are idle on every rank: rank 0's KV invariant, no transfer open on
+a follower, and no follower report left unread in the group's store."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+
+from radixserve.workers import Engine
+from radixserve.workers.protocol import GenerateRequest, InvalidRequest, SamplingParams, TransferFailed
+from tests.engine_utils import assert_kv_invariant
+from tests.test_pd_engine import merge, unified_run
+from tests.tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.slow  # five engines, four of them tensor-parallel ranks
+
+POOL = 2048
+ARGS = dict(
+    dtype="float32", max_total_tokens=POOL, chunked_prefill_size=32, kv_transfer="gloo", num_threads=1
+)
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    list(range(100, 170)),  # three prefill chunks: the last one's transfer starts mid-prompt
+    [42] * 5,
+]
+
+
+def _prefill_main(conn, path: str, kwargs: dict[str, Any]) -> None:
+    engine = Engine(path, role="prefill", **kwargs)
+    conn.send(("ok", None))
+    try:
+        while (msg := conn.recv()) is not None:
+            kind, payload = msg
+            try:
+                if kind == "generate":
+
+                    async def run(req=payload):
+                        return [c async for c in engine.submit(req)]
+
+                    conn.send(("ok", asyncio.run(run())))
+                else:  # idle: the invariant on every rank, then what the group's store holds
+                    assert_kv_invariant(engine)
+                    store = engine.core.tp.store
+                    conn.send(("ok", (engine.rank_transfers_open(), store.num_keys() if store else 0)))
+            except Exception as exc:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        engine.shutdown()
+
+
+class PrefillProcess:
+    """A prefill engine in a spawned process (it may start a tensor-parallel group of its own)."""
+
+    def __init__(self, path: str, **kwargs: Any):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_prefill_main, args=(child, path, kwargs), name="prefill")
+        self.process.start()
+        self._call_reply(timeout=300)
+
+    def _call_reply(self, timeout: float = 120) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError("the prefill process did not answer")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
+    def generate(self, req: GenerateRequest) -> list:
+        self.conn.send(("generate", req))
+        return self._call_reply()
+
+    def idle(self) -> tuple[int, int]:
+        self.conn.send(("idle", None))
+        return self._call_reply()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join(60)
+        if self.process.exitcode is None:
+            self.process.kill()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # 4 query / 2 KV heads: one KV head per rank at tp_size 2.
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("pd_tp"), "llama")
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    prefill = PrefillProcess(checkpoint, tp_size=2, kv_transfer_timeout_s=6.0, **ARGS)
+    unified = decode = None
+    try:
+        unified = Engine(checkpoint, **ARGS)
+        decode = Engine(checkpoint, role="decode", tp_size=2, kv_transfer_timeout_s=8.0, **ARGS)
+        # What the groups' stores hold at idle: start-up keys only, no transfer reports.
+        baseline = (prefill.idle()[1], decode.core.tp.store.num_keys())
+        yield unified, prefill, decode, baseline
+    finally:
+        prefill.close()
+        for e in (unified, decode):
+            if e is not None:
+                e.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def idle(engines):
+    yield
+    _, prefill, decode, (prefill_keys, decode_keys) = engines
+    assert_kv_invariant(decode)
+    assert decode.rank_transfers_open() == 0
+    assert decode.core.tp.store.num_keys() == decode_keys
+    assert prefill.idle() == (0, prefill_keys)
+
+
+async def pd_run(prefill: PrefillProcess, decode: Engine, req: GenerateRequest) -> tuple[dict, list]:
+    dstream, done = decode.reserve(req)
+    tickets = await asyncio.wrap_future(done)
+    outs: dict[int, dict] = {}
+    for chunk in await asyncio.to_thread(prefill.generate, dataclasses.replace(req, kv_tickets=tickets)):
+        merge(outs, chunk, final=False)
+    async for chunk in dstream:
+        merge(outs, chunk, final=True)
+    return outs, tickets
+
+
+def run_both(engines, ids: list[int], **params: Any) -> tuple[dict, dict, list]:
+    unified, prefill, decode, _ = engines
+    sp = SamplingParams.from_dict({"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, **params})
+    pd, tickets = asyncio.run(pd_run(prefill, decode, GenerateRequest(list(ids), sp, stream=True)))
+    ref = asyncio.run(unified_run(unified, GenerateRequest(list(ids), sp)))
+    return pd, ref, tickets
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "chunked", "repeated"])
+def test_pd_tp2_greedy_equals_unified_tp1(engines, prompt):
+    pd, ref, tickets = run_both(engines, prompt)
+    assert pd[0]["ids"] == ref[0]["ids"] and pd[0]["text"] == ref[0]["text"]
+    assert pd[0]["finish"] == ref[0]["finish"]
+    (ticket,) = tickets
+    assert len(ticket["rank_endpoints"]) == 1  # rank 1's own endpoint travels with the ticket
+
+
+def test_pd_tp2_n_and_a_grammar(engines):
+    pd, ref, _ = run_both(engines, PROMPTS[1], n=2)
+    assert [pd[i]["ids"] for i in (0, 1)] == [ref[i]["ids"] for i in (0, 1)]
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    pd, ref, _ = run_both(engines, PROMPTS[0], max_new_tokens=24, ignore_eos=False, json_schema=schema)
+    assert pd[0]["ids"] == ref[0]["ids"] and pd[0]["text"] == ref[0]["text"]
+    assert pd[0]["finish"] == ref[0]["finish"]
+
+
+def test_follow_up_turn_moves_only_new_tokens_on_every_rank(engines):
+    first = list(range(300, 345))
+    pd, ref, _ = run_both(engines, first)
+    turn2 = first + pd[0]["ids"] + list(range(400, 420))
+    pd, ref, tickets = run_both(engines, turn2)
+    assert pd[0]["ids"] == ref[0]["ids"]
+    held = tickets[0]["held_tokens"]
+    assert held >= 32 and len(tickets[0]["dst_slots"]) == len(turn2) - held
+
+
+def test_abort_while_reserved_frees_every_rank(engines):
+    _, _, decode, _ = engines
+
+    async def go():
+        req = GenerateRequest(list(PROMPTS[1]), SamplingParams(max_new_tokens=4, temperature=0))
+        stream, done = decode.reserve(req)
+        await asyncio.wrap_future(done)
+        assert decode.rank_transfers_open() == 1  # rank 1 expects its own heads of it
+        decode.abort(req.rid)
+        chunks = [c async for c in stream]
+        assert chunks[-1].finish_reason["type"] == "abort"
+
+    asyncio.run(go())
+
+
+def test_transfer_timeout_fails_clearly_and_frees_every_rank(engines):
+    _, _, decode, _ = engines  # its transfers time out after 8 s
+
+    async def go():
+        req = GenerateRequest(list(PROMPTS[0]), SamplingParams(max_new_tokens=4, temperature=0))
+        stream, done = decode.reserve(req)
+        await asyncio.wrap_future(done)
+        with pytest.raises(TransferFailed, match="KV transfer failed"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(go())
+
+
+def test_replicas_of_unequal_degrees_are_refused_up_front(engines, checkpoint):
+    """KV moves rank r to rank r: a tp_size 1 decode replica's ticket is refused by a tp_size 2
+    prefill replica (and the other way round), with both degrees named."""
+    _, prefill, decode, _ = engines
+    single = Engine(checkpoint, role="decode", **ARGS)
+    single_prefill = Engine(checkpoint, role="prefill", **ARGS)
+    req = GenerateRequest(list(PROMPTS[0]), SamplingParams(max_new_tokens=4, temperature=0))
+
+    async def go():
+        stream, done = single.reserve(req)
+        tickets = await asyncio.wrap_future(done)
+        with pytest.raises(
+            RuntimeError, match="decode replica runs tp_size 1 and this prefill replica tp_size 2"
+        ):
+            await asyncio.to_thread(prefill.generate, dataclasses.replace(req, kv_tickets=tickets))
+        single.abort(req.rid)
+        assert [c async for c in stream][-1].finish_reason["type"] == "abort"
+
+        req2 = dataclasses.replace(req, rid=req.rid + "-2")
+        stream, done = decode.reserve(req2)
+        tickets = await asyncio.wrap_future(done)
+        with pytest.raises(
+            InvalidRequest, match="decode replica runs tp_size 2 and this prefill replica tp_size 1"
+        ):
+            single_prefill.core.make_reqs(dataclasses.replace(req2, kv_tickets=tickets))
+        decode.abort(req2.rid)
+        assert [c async for c in stream][-1].finish_reason["type"] == "abort"
+
+    try:
+        asyncio.run(go())
+        assert_kv_invariant(single)
+    finally:
+        single.shutdown()
+        single_prefill.shutdown()
