@@ -1,0 +1,84 @@
+"""PD at tp_size 2 live, over gloo: one Ray instance and one Serve app for the module (ingress, a
+prefill and a decode replica of the default model, each a group of two ranks: 6 + 3 query heads,
+2 + 1 KV heads). Each rank sends its own heads to the same rank of the decode replica. Greedy
+output equals the unified tp_size 1 engine's; streaming, n and aborts work; both pools return to
+idle after each test."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import pytest
+
+from tests.pd_utils import MAX_TOKENS, PD_ARGS, PROMPTS, replicas, unified_reference, wait_idle
+from tests.serve_utils import running_app
+
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
+
+GREEDY = {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+# Past a few tokens every rank's share of the KV shapes the output: a rank whose heads did not
+# arrive would change it.
+LONG = " ".join(f"Item {i}: a line of a list that the model must attend over." for i in range(12))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return unified_reference([*PROMPTS, LONG])  # before Ray starts: the replicas get the CPUs to themselves
+
+
+@pytest.fixture(scope="module")
+def http(reference):
+    with running_app({**PD_ARGS, "kv_transfer": "gloo", "tp_size": 2}, num_cpus=4) as base:
+        with httpx.Client(base_url=base, timeout=120) as c:
+            yield c
+
+
+@pytest.fixture(autouse=True)
+def idle_after(http):
+    yield
+    wait_idle(http, timeout=120)
+
+
+def test_greedy_output_equals_unified_tp1(http, reference):
+    ids, expected, _ = reference
+    for prompt_ids, ref in zip(ids, expected):
+        out = http.post("/generate", json={"input_ids": prompt_ids, "sampling_params": GREEDY}).json()
+        assert out["output_ids"] == ref["output_ids"] and out["text"] == ref["text"]
+    # Both sides took part: the prefill replica the first tokens, the decode replica the rest.
+    stats = {r["role"]: r for r in replicas(http)}
+    assert stats["prefill"]["generation_tokens_total"] >= len(ids)
+    assert stats["decode"]["generation_tokens_total"] >= len(ids) * (MAX_TOKENS - 1)
+
+
+def test_streaming_and_n(http, reference):
+    _, expected, _ = reference
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "n": 2}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        assert s.status_code == 200
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    texts = ["", ""]
+    for e in events[:-1]:
+        for choice in json.loads(e)["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == [expected[0]["text"]] * 2
+
+
+def test_abort_frees_both_pools(http):
+    rid = f"abort-me-{uuid.uuid4().hex}"
+    body = {
+        "prompt": "Write a long story.",
+        "max_tokens": 1500,
+        "stream": True,
+        "rid": rid,
+        "ignore_eos": True,
+    }
+    with http.stream("POST", "/v1/completions", json=body) as s:
+        lines = s.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert http.post("/abort_request", json={"rid": rid}).json() == {"rid": rid, "aborted": True}
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
