@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 
 from radixserve.workers import Engine
-from radixserve.workers.protocol import GenerateRequest, InvalidRequest, SamplingParams, TransferFailed
+from radixserve.workers.protocol import (
+    EngineError,
+    GenerateRequest,
+    InvalidRequest,
+    SamplingParams,
+    TransferFailed,
+)
 from tests.engine_utils import assert_kv_invariant
 from tests.test_pd_engine import merge, unified_run
 from tests.tiny_models import make_tiny_checkpoint
@@ -119,9 +125,10 @@ def engines(checkpoint):
 def idle(engines):
     yield
     _, prefill, decode, (prefill_keys, decode_keys) = engines
-    assert_kv_invariant(decode)
-    assert decode.rank_transfers_open() == 0
-    assert decode.core.tp.store.num_keys() == decode_keys
+    if decode.core.rank_failed() is None:  # the last test kills a rank of it
+        assert_kv_invariant(decode)
+        assert decode.rank_transfers_open() == 0
+        assert decode.core.tp.store.num_keys() == decode_keys
     assert prefill.idle() == (0, prefill_keys)
 
 
@@ -235,3 +242,26 @@ def test_replicas_of_unequal_degrees_are_refused_up_front(engines, checkpoint):
     finally:
         single.shutdown()
         single_prefill.shutdown()
+
+
+def test_a_decode_rank_dying_ends_its_replica_and_the_prefill_side_frees_every_rank(engines):
+    """Rank 1 of the decode replica is killed while a sequence waits for its KV: the decode
+    engine stops (its streams end with an error naming the rank). The prefill replica still
+    answers the ticket with the first token; both of its ranks' sends fail (rank 1's peer is
+    dead, rank 0's closed its transfer engine), and it releases the slots on every rank. Last
+    in the module: the decode replica does not come back."""
+    _, prefill, decode, _ = engines
+    (follower,) = decode.core.tp.handles
+
+    async def go():
+        req = GenerateRequest(list(PROMPTS[1]), SamplingParams(max_new_tokens=4, temperature=0))
+        stream, done = decode.reserve(req)
+        tickets = await asyncio.wrap_future(done)
+        follower.kill()
+        with pytest.raises(EngineError, match="tensor-parallel rank 1 of 2 was killed by signal 9"):
+            async for _ in stream:
+                pass
+        return await asyncio.to_thread(prefill.generate, dataclasses.replace(req, kv_tickets=tickets))
+
+    chunks = asyncio.run(asyncio.wait_for(go(), timeout=120))
+    assert len(chunks) == 1 and len(chunks[0].token_ids) == 1
