@@ -13,6 +13,8 @@ import asyncio
 import dataclasses
 import json
 import multiprocessing as mp
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -43,56 +45,96 @@ PROMPTS = [
 
 
 def _prefill_main(conn, path: str, kwargs: dict[str, Any]) -> None:
+    """The prefill engine's process: calls (id, kind, payload) come over `conn` and run
+    concurrently on one event loop; each answer goes back as (id, status, value)."""
     engine = Engine(path, role="prefill", **kwargs)
-    conn.send(("ok", None))
+    send_lock = threading.Lock()
+
+    def answer(call_id: int, status: str, value: Any) -> None:
+        with send_lock:
+            conn.send((call_id, status, value))
+
+    async def handle(call_id: int, kind: str, payload: Any) -> None:
+        try:
+            if kind == "generate":
+                answer(call_id, "ok", [c async for c in engine.submit(payload)])
+            else:  # idle: the invariant on every rank, then what the group's store holds
+                await asyncio.to_thread(assert_kv_invariant, engine)
+                store = engine.core.tp.store
+                open_ = await asyncio.to_thread(engine.rank_transfers_open)
+                answer(call_id, "ok", (open_, store.num_keys() if store else 0))
+        except Exception as exc:
+            answer(call_id, "error", f"{type(exc).__name__}: {exc}")
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        tasks = set()
+        answer(0, "ok", None)
+        while (msg := await loop.run_in_executor(None, conn.recv)) is not None:
+            task = asyncio.create_task(handle(*msg))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.gather(*tasks)
+
     try:
-        while (msg := conn.recv()) is not None:
-            kind, payload = msg
-            try:
-                if kind == "generate":
-
-                    async def run(req=payload):
-                        return [c async for c in engine.submit(req)]
-
-                    conn.send(("ok", asyncio.run(run())))
-                else:  # idle: the invariant on every rank, then what the group's store holds
-                    assert_kv_invariant(engine)
-                    store = engine.core.tp.store
-                    conn.send(("ok", (engine.rank_transfers_open(), store.num_keys() if store else 0)))
-            except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        asyncio.run(serve())
     finally:
         engine.shutdown()
 
 
 class PrefillProcess:
-    """A prefill engine in a spawned process (it may start a tensor-parallel group of its own)."""
+    """A prefill engine in a spawned process (it may start a tensor-parallel group of its own).
+    Thread-safe: concurrent calls run concurrently there."""
 
     def __init__(self, path: str, **kwargs: Any):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_prefill_main, args=(child, path, kwargs), name="prefill")
         self.process.start()
-        self._call_reply(timeout=300)
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._waiting: dict[int, Future] = {0: Future()}
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._result(self._waiting[0], timeout=300)
 
-    def _call_reply(self, timeout: float = 120) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError("the prefill process did not answer")
-        status, value = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(value)
-        return value
+    def _read(self) -> None:
+        try:
+            while True:
+                call_id, status, value = self.conn.recv()
+                with self._lock:
+                    fut = self._waiting.pop(call_id)
+                if status == "error":
+                    fut.set_exception(RuntimeError(value))
+                else:
+                    fut.set_result(value)
+        except (EOFError, OSError):  # the process ended
+            with self._lock:
+                for fut in self._waiting.values():
+                    fut.set_exception(RuntimeError("the prefill process ended"))
+                self._waiting.clear()
+
+    @staticmethod
+    def _result(fut: Future, timeout: float = 120) -> Any:
+        return fut.result(timeout)
+
+    def _call(self, kind: str, payload: Any) -> Any:
+        fut: Future = Future()
+        with self._lock:
+            call_id, self._next_id = self._next_id, self._next_id + 1
+            self._waiting[call_id] = fut
+            self.conn.send((call_id, kind, payload))
+        return self._result(fut)
 
     def generate(self, req: GenerateRequest) -> list:
-        self.conn.send(("generate", req))
-        return self._call_reply()
+        return self._call("generate", req)
 
     def idle(self) -> tuple[int, int]:
-        self.conn.send(("idle", None))
-        return self._call_reply()
+        return self._call("idle", None)
 
     def close(self) -> None:
-        self.conn.send(None)
+        with self._lock:
+            self.conn.send(None)
         self.process.join(60)
         if self.process.exitcode is None:
             self.process.kill()
@@ -242,6 +284,39 @@ def test_replicas_of_unequal_degrees_are_refused_up_front(engines, checkpoint):
     finally:
         single.shutdown()
         single_prefill.shutdown()
+
+
+def test_concurrent_requests_and_aborts_keep_every_rank_consistent(engines):
+    """Twelve requests at once through both tensor-parallel replicas (several reservations and
+    transfers per step, settling in any order), every third aborted on the decode side once its
+    ticket is out: the others equal unified, and every rank is idle after (the fixture)."""
+    unified, prefill, decode, _ = engines
+    prompts = [list(range(500 + 7 * i, 540 + 11 * i)) for i in range(12)]
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+
+    async def one(i: int, ids: list[int]):
+        req = GenerateRequest(ids, sp, stream=True)
+        stream, done = decode.reserve(req)
+        tickets = await asyncio.wrap_future(done)
+        if i % 3 == 2:
+            decode.abort(req.rid)
+        await asyncio.to_thread(prefill.generate, dataclasses.replace(req, kv_tickets=tickets))
+        outs: dict[int, dict] = {}
+        async for chunk in stream:
+            merge(outs, chunk, final=True)
+        return outs[0]
+
+    async def all_of():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    got = asyncio.run(asyncio.wait_for(all_of(), timeout=180))
+    for i, (ids, out) in enumerate(zip(prompts, got)):
+        if i % 3 == 2:
+            assert out["finish"]["type"] == "abort"
+            continue
+        ref = asyncio.run(unified_run(unified, GenerateRequest(list(ids), sp)))
+        assert out["finish"]["type"] == "length"
+        assert out["ids"][-5:] == ref[0]["ids"][1:], i  # the decode replica's part
 
 
 def test_a_decode_rank_dying_ends_its_replica_and_the_prefill_side_frees_every_rank(engines):
