@@ -2,7 +2,7 @@
 tp_size 2 (two ranks each, local processes), every rank moving its own KV heads to the same rank
 of the other replica over loopback gloo, driven as the ingress drives them; against a unified
 engine at tp_size 1. One process holds one tensor-parallel group, so the prefill engine runs in a
-process of its own and answers over a pipe.
+process of its own (load_tests/engine_process.py).
 
 After every test both replicas are idle on every rank: rank 0's KV invariant, no transfer open on
 a follower, and no follower report left unread in the group's store."""
@@ -12,13 +12,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import multiprocessing as mp
-import threading
-from concurrent.futures import Future
 from typing import Any
 
 import pytest
 
+from load_tests.engine_process import EngineProcess
 from radixserve.workers import Engine
 from radixserve.workers.protocol import (
     EngineError,
@@ -44,100 +42,12 @@ PROMPTS = [
 ]
 
 
-def _prefill_main(conn, path: str, kwargs: dict[str, Any]) -> None:
-    """The prefill engine's process: calls (id, kind, payload) come over `conn` and run
-    concurrently on one event loop; each answer goes back as (id, status, value)."""
-    engine = Engine(path, role="prefill", **kwargs)
-    send_lock = threading.Lock()
-
-    def answer(call_id: int, status: str, value: Any) -> None:
-        with send_lock:
-            conn.send((call_id, status, value))
-
-    async def handle(call_id: int, kind: str, payload: Any) -> None:
-        try:
-            if kind == "generate":
-                answer(call_id, "ok", [c async for c in engine.submit(payload)])
-            else:  # idle: the invariant on every rank, then what the group's store holds
-                await asyncio.to_thread(assert_kv_invariant, engine)
-                store = engine.core.tp.store
-                open_ = await asyncio.to_thread(engine.rank_transfers_open)
-                answer(call_id, "ok", (open_, store.num_keys() if store else 0))
-        except Exception as exc:
-            answer(call_id, "error", f"{type(exc).__name__}: {exc}")
-
-    async def serve() -> None:
-        loop = asyncio.get_running_loop()
-        tasks = set()
-        answer(0, "ok", None)
-        while (msg := await loop.run_in_executor(None, conn.recv)) is not None:
-            task = asyncio.create_task(handle(*msg))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        await asyncio.gather(*tasks)
-
-    try:
-        asyncio.run(serve())
-    finally:
-        engine.shutdown()
-
-
-class PrefillProcess:
-    """A prefill engine in a spawned process (it may start a tensor-parallel group of its own).
-    Thread-safe: concurrent calls run concurrently there."""
-
-    def __init__(self, path: str, **kwargs: Any):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_prefill_main, args=(child, path, kwargs), name="prefill")
-        self.process.start()
-        self._lock = threading.Lock()
-        self._next_id = 1
-        self._waiting: dict[int, Future] = {0: Future()}
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self._result(self._waiting[0], timeout=300)
-
-    def _read(self) -> None:
-        try:
-            while True:
-                call_id, status, value = self.conn.recv()
-                with self._lock:
-                    fut = self._waiting.pop(call_id)
-                if status == "error":
-                    fut.set_exception(RuntimeError(value))
-                else:
-                    fut.set_result(value)
-        except (EOFError, OSError):  # the process ended
-            with self._lock:
-                for fut in self._waiting.values():
-                    fut.set_exception(RuntimeError("the prefill process ended"))
-                self._waiting.clear()
-
-    @staticmethod
-    def _result(fut: Future, timeout: float = 120) -> Any:
-        return fut.result(timeout)
-
-    def _call(self, kind: str, payload: Any) -> Any:
-        fut: Future = Future()
-        with self._lock:
-            call_id, self._next_id = self._next_id, self._next_id + 1
-            self._waiting[call_id] = fut
-            self.conn.send((call_id, kind, payload))
-        return self._result(fut)
-
-    def generate(self, req: GenerateRequest) -> list:
-        return self._call("generate", req)
-
-    def idle(self) -> tuple[int, int]:
-        return self._call("idle", None)
-
-    def close(self) -> None:
-        with self._lock:
-            self.conn.send(None)
-        self.process.join(60)
-        if self.process.exitcode is None:
-            self.process.kill()
+def idle_on_every_rank(engine: Engine) -> tuple[int, int]:
+    """In the prefill engine's process: the KV invariant at idle, then the transfers open on its
+    followers and the keys its group's store holds."""
+    assert_kv_invariant(engine)
+    store = engine.core.tp.store
+    return engine.rank_transfers_open(), store.num_keys() if store else 0
 
 
 @pytest.fixture(scope="module")
@@ -148,13 +58,13 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(checkpoint):
-    prefill = PrefillProcess(checkpoint, tp_size=2, kv_transfer_timeout_s=6.0, **ARGS)
+    prefill = EngineProcess(checkpoint, role="prefill", tp_size=2, kv_transfer_timeout_s=6.0, **ARGS)
     unified = decode = None
     try:
         unified = Engine(checkpoint, **ARGS)
         decode = Engine(checkpoint, role="decode", tp_size=2, kv_transfer_timeout_s=8.0, **ARGS)
         # What the groups' stores hold at idle: start-up keys only, no transfer reports.
-        baseline = (prefill.idle()[1], decode.core.tp.store.num_keys())
+        baseline = (prefill.call(idle_on_every_rank)[1], decode.core.tp.store.num_keys())
         yield unified, prefill, decode, baseline
     finally:
         prefill.close()
@@ -171,10 +81,10 @@ def idle(engines):
         assert_kv_invariant(decode)
         assert decode.rank_transfers_open() == 0
         assert decode.core.tp.store.num_keys() == decode_keys
-    assert prefill.idle() == (0, prefill_keys)
+    assert prefill.call(idle_on_every_rank) == (0, prefill_keys)
 
 
-async def pd_run(prefill: PrefillProcess, decode: Engine, req: GenerateRequest) -> tuple[dict, list]:
+async def pd_run(prefill: EngineProcess, decode: Engine, req: GenerateRequest) -> tuple[dict, list]:
     dstream, done = decode.reserve(req)
     tickets = await asyncio.wrap_future(done)
     outs: dict[int, dict] = {}

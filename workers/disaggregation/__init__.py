@@ -8,6 +8,10 @@ layer while it computes or all at once after. The decode replica's future resolv
 page is in place; it then inserts the prefix into its radix tree, so a conversation's next turn
 moves only the new pages.
 
+A tensor-parallel replica runs one engine per rank over that rank's pool (its own KV heads), and
+rank r sends to rank r of a peer of the same degree (workers/executor/tp_kv.py); a ticket
+carries every rank's endpoint.
+
 Transports (`--kv-transfer auto|gloo|nccl|ray`; auto = nccl for CUDA pools, gloo for CPU):
   gloo / nccl  one 2-rank torch.distributed process group per (sender, receiver) pair, built
                lazily over a TCPStore that the receiver hosts; no global process group. Frames go

@@ -21,6 +21,12 @@ returns once every follower has acted on it:
 A follower reports each transfer it settled under a key of the group's store; rank 0 reads the
 keys (`RankTransfers.settled`) before it admits a sequence (decode) or releases its slots
 (prefill), so no rank's slots are reused while a transfer still touches them.
+
+The cost (load_tests/bench_pd_tp.py, the default model on 2 cores, medians): at tp 2 the
+hand-off (first token -> second) is 91 ms for a 1k-token prompt and 84 ms for 4k, against one
+tp-2 decode step of 92-94 ms alone: the per-rank sends and the reports hide behind the prefill
+forward. (tp 1: 31 / 47 ms against a 36 / 40 ms step. The tp-2 step itself is 2.3-2.6x the
+tp-1 one here: two gloo all-reduces per layer on a CPU.)
 """
 
 from __future__ import annotations
