@@ -121,6 +121,25 @@ def test_pd_tp2_n_and_a_grammar(engines):
     assert pd[0]["finish"] == ref[0]["finish"]
 
 
+def test_whole_prompt_sends_after_the_forward_at_tp2(engines, checkpoint):
+    """kv_transfer_layerwise off: every rank sends the whole prompt once its forward is done."""
+    unified, _, decode, _ = engines
+    after = EngineProcess(
+        checkpoint, role="prefill", tp_size=2, kv_transfer_timeout_s=6.0, kv_transfer_layerwise=False, **ARGS
+    )
+    try:
+        sp = SamplingParams.from_dict({"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        for ids in (PROMPTS[1], list(range(600, 640))):
+            req = GenerateRequest(list(ids), sp, stream=True)
+            pd, _ = asyncio.run(pd_run(after, decode, req))
+            ref = asyncio.run(unified_run(unified, GenerateRequest(list(ids), sp)))
+            assert pd[0]["ids"] == ref[0]["ids"]
+        open_, _keys = after.call(idle_on_every_rank)
+        assert open_ == 0
+    finally:
+        after.close()
+
+
 def test_follow_up_turn_moves_only_new_tokens_on_every_rank(engines):
     first = list(range(300, 345))
     pd, ref, _ = run_both(engines, first)

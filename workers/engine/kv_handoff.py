@@ -426,7 +426,7 @@ class KVHandoff:
         """At a step boundary: settle what the transfer engine finished."""
         if self.receiving or self.landed:
             self._poll_receiving(out)
-        if self.streaming:
+        if self.streaming or self.rank_sends:
             self._poll_streaming()
         if self.sending:
             self._poll_sending()
