@@ -87,15 +87,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         for e in (decode, *prefills.values()):
             e.shutdown()
-    print(f"{'tokens':>7} {'mode':>10} {'ttft ms':>9} {'handoff ms':>11} {'(min)':>7}")
-    for r in rows:
-        print(
-            f"{r['prompt_tokens']:>7} {r['mode']:>10} {r['ttft_ms']:>9} {r['handoff_ms']:>11} {r['handoff_min_ms']:>7}"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    columns = [("prompt_tokens", "tokens"), ("mode", "mode"), ("ttft_ms", "ttft ms")]
+    report(rows, [*columns, ("handoff_ms", "handoff ms"), ("handoff_min_ms", "(min)")], args.json)
     return rows
+
+
+def report(rows: list[dict], columns: list[tuple[str, str]], json_path: str | None) -> None:
+    """Print the rows as a table of (key, heading) columns; write them to json_path too."""
+    widths = [max(len(heading), *(len(str(r[key])) for r in rows)) for key, heading in columns]
+    print(" ".join(f"{heading:>{w}}" for (_key, heading), w in zip(columns, widths)))
+    for r in rows:
+        print(" ".join(f"{r[key]!s:>{w}}" for (key, _heading), w in zip(columns, widths)))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)
 
 
 if __name__ == "__main__":

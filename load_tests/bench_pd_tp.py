@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import random
 import statistics
 import time
 from typing import Any
 
+from load_tests.bench_handoff import report
 from load_tests.engine_process import EngineProcess
 from radixserve.workers import Engine
 from radixserve.workers.protocol import GenerateRequest, SamplingParams
@@ -94,15 +94,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for prefill, decode in pairs.values():
             decode.shutdown()
             prefill.close()
-    print(f"{'tokens':>7} {'layout':>7} {'ttft ms':>9} {'handoff ms':>11} {'(min)':>7} {'step ms':>8}")
-    for r in rows:
-        print(
-            f"{r['prompt_tokens']:>7} {r['layout']:>7} {r['ttft_ms']:>9} {r['handoff_ms']:>11}"
-            f" {r['handoff_min_ms']:>7} {r['decode_step_ms']:>8}"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    columns = [("prompt_tokens", "tokens"), ("layout", "layout"), ("ttft_ms", "ttft ms")]
+    columns += [("handoff_ms", "handoff ms"), ("handoff_min_ms", "(min)"), ("decode_step_ms", "step ms")]
+    report(rows, columns, args.json)
     return rows
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -75,3 +77,27 @@ def wait_idle(http: Any, kv_total: int, timeout: float = 30.0) -> list[dict]:
             return replicas
         assert time.monotonic() < deadline, f"not idle after {timeout}s: {replicas}"
         time.sleep(0.1)
+
+
+def abort_mid_stream(
+    http: Any, max_tokens: int = 1500, while_running: Callable[[], None] | None = None
+) -> None:
+    """Stream a long completion, abort it by its rid after the first event (`while_running` runs
+    between the two): the stream ends with finish_reason "abort" and [DONE]."""
+    rid = f"abort-me-{uuid.uuid4().hex}"
+    body = {
+        "prompt": "Write a long story.",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "rid": rid,
+        "ignore_eos": True,
+    }
+    with http.stream("POST", "/v1/completions", json=body) as s:
+        lines = s.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        if while_running is not None:
+            while_running()
+        assert http.post("/abort_request", json={"rid": rid}).json() == {"rid": rid, "aborted": True}
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"

@@ -202,33 +202,40 @@ def test_equal_prompts_prefilled_together_both_arrive_whole(engines):
         assert pd[0]["ids"] == ref[0]["ids"] and pd[0]["text"] == ref[0]["text"]
 
 
+async def abort_while_reserved(decode: Engine, ids: list[int], while_reserved=None) -> None:
+    """Reserve for a request, then abort it before any KV came: its stream ends "abort"."""
+    req = GenerateRequest(list(ids), SamplingParams(max_new_tokens=4, temperature=0))
+    stream, done = decode.reserve(req)
+    await asyncio.wrap_future(done)
+    if while_reserved is not None:
+        while_reserved()
+    decode.abort(req.rid)
+    chunks = [c async for c in stream]
+    assert chunks[-1].finish_reason["type"] == "abort"
+
+
+async def reserved_until_timeout(decode: Engine, ids: list[int]) -> None:
+    """Reserve for a request whose KV never comes: it fails clearly at the transfer deadline."""
+    req = GenerateRequest(list(ids), SamplingParams(max_new_tokens=4, temperature=0))
+    stream, done = decode.reserve(req)
+    await asyncio.wrap_future(done)
+    with pytest.raises(TransferFailed, match="KV transfer failed"):
+        async for _ in stream:
+            pass
+
+
 def test_abort_while_reserved_frees_the_decode_side(engines):
     _, _, decode = engines
 
-    async def go():
-        req = GenerateRequest(list(PROMPTS[1]), SamplingParams(max_new_tokens=4, temperature=0))
-        stream, done = decode.reserve(req)
-        await asyncio.wrap_future(done)
+    def holds_slots() -> None:
         assert decode.stats()["kv_free"] < POOL
-        decode.abort(req.rid)
-        chunks = [c async for c in stream]
-        assert chunks[-1].finish_reason["type"] == "abort"
 
-    asyncio.run(go())
+    asyncio.run(abort_while_reserved(decode, PROMPTS[1], holds_slots))
 
 
 def test_transfer_timeout_fails_clearly_and_frees(engines):
     _, _, decode = engines  # its transfers time out after 15 s
-
-    async def go():
-        req = GenerateRequest(list(PROMPTS[0]), SamplingParams(max_new_tokens=4, temperature=0))
-        stream, done = decode.reserve(req)
-        await asyncio.wrap_future(done)
-        with pytest.raises(TransferFailed, match="KV transfer failed"):
-            async for _ in stream:
-                pass
-
-    asyncio.run(go())
+    asyncio.run(reserved_until_timeout(decode, PROMPTS[0]))
 
 
 def test_decode_side_gone_after_reserving_the_prefill_side_frees_its_slots(engines, checkpoint):

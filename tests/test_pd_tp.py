@@ -23,10 +23,9 @@ from radixserve.workers.protocol import (
     GenerateRequest,
     InvalidRequest,
     SamplingParams,
-    TransferFailed,
 )
 from tests.engine_utils import assert_kv_invariant
-from tests.test_pd_engine import merge, unified_run
+from tests.test_pd_engine import abort_while_reserved, merge, reserved_until_timeout, unified_run
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # five engines, four of them tensor-parallel ranks
@@ -153,30 +152,15 @@ def test_follow_up_turn_moves_only_new_tokens_on_every_rank(engines):
 def test_abort_while_reserved_frees_every_rank(engines):
     _, _, decode, _ = engines
 
-    async def go():
-        req = GenerateRequest(list(PROMPTS[1]), SamplingParams(max_new_tokens=4, temperature=0))
-        stream, done = decode.reserve(req)
-        await asyncio.wrap_future(done)
+    def rank1_expects_it() -> None:
         assert decode.rank_transfers_open() == 1  # rank 1 expects its own heads of it
-        decode.abort(req.rid)
-        chunks = [c async for c in stream]
-        assert chunks[-1].finish_reason["type"] == "abort"
 
-    asyncio.run(go())
+    asyncio.run(abort_while_reserved(decode, PROMPTS[1], rank1_expects_it))
 
 
 def test_transfer_timeout_fails_clearly_and_frees_every_rank(engines):
     _, _, decode, _ = engines  # its transfers time out after 8 s
-
-    async def go():
-        req = GenerateRequest(list(PROMPTS[0]), SamplingParams(max_new_tokens=4, temperature=0))
-        stream, done = decode.reserve(req)
-        await asyncio.wrap_future(done)
-        with pytest.raises(TransferFailed, match="KV transfer failed"):
-            async for _ in stream:
-                pass
-
-    asyncio.run(go())
+    asyncio.run(reserved_until_timeout(decode, PROMPTS[0]))
 
 
 def test_replicas_of_unequal_degrees_are_refused_up_front(engines, checkpoint):

@@ -7,13 +7,12 @@ idle after each test."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import httpx
 import pytest
 
 from tests.pd_utils import MAX_TOKENS, PD_ARGS, PROMPTS, replicas, unified_reference, wait_idle
-from tests.serve_utils import running_app
+from tests.serve_utils import abort_mid_stream, running_app
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
@@ -67,18 +66,4 @@ def test_streaming_and_n(http, reference):
 
 
 def test_abort_frees_both_pools(http):
-    rid = f"abort-me-{uuid.uuid4().hex}"
-    body = {
-        "prompt": "Write a long story.",
-        "max_tokens": 1500,
-        "stream": True,
-        "rid": rid,
-        "ignore_eos": True,
-    }
-    with http.stream("POST", "/v1/completions", json=body) as s:
-        lines = s.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
-        assert http.post("/abort_request", json={"rid": rid}).json() == {"rid": rid, "aborted": True}
-        events = [line[6:] for line in lines if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    abort_mid_stream(http)  # the fixture checks both pools

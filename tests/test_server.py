@@ -18,7 +18,7 @@ import openai
 import pytest
 import ray
 
-from tests.serve_utils import running_app
+from tests.serve_utils import abort_mid_stream, running_app
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
@@ -272,24 +272,7 @@ def test_flush_cache_and_abort_request(http, client, model):
     wait_idle(http)
     assert http.post("/flush_cache").json()["success"] is True
     assert replica(http)["kv_evictable"] == 0
-    rid = f"abort-me-{uuid.uuid4().hex}"
-    with http.stream(
-        "POST",
-        "/v1/completions",
-        json={
-            "prompt": "Write a long story.",
-            "max_tokens": 3000,
-            "stream": True,
-            "rid": rid,
-            "ignore_eos": True,
-        },
-    ) as s:
-        lines = s.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
-        assert http.post("/abort_request", json={"rid": rid}).json() == {"rid": rid, "aborted": True}
-        events = [line[6:] for line in lines if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    abort_mid_stream(http, max_tokens=3000)
     wait_idle(http)
 
 

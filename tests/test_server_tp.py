@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 import httpx
 import pytest
 import ray
 
-from tests.serve_utils import running_app, wait_idle
+from tests.serve_utils import abort_mid_stream, running_app, wait_idle
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
@@ -61,23 +60,12 @@ def test_streaming_equals_non_streaming(http):
 
 def test_abort_frees_the_kv(http):
     wait_idle(http, KV_TOTAL)  # rank 0's; the other rank's pool is never allocated from
-    rid = f"abort-me-{uuid.uuid4().hex}"
-    body = {
-        "prompt": "Write a long story.",
-        "max_tokens": 1500,
-        "stream": True,
-        "rid": rid,
-        "ignore_eos": True,
-    }
-    with http.stream("POST", "/v1/completions", json=body) as s:
-        lines = s.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
+
+    def holds_slots() -> None:
         assert replica(http)["kv_protected"] > 0  # the running request holds slots
-        assert http.post("/abort_request", json={"rid": rid}).json() == {"rid": rid, "aborted": True}
-        events = [line[6:] for line in lines if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
-    wait_idle(http, KV_TOTAL)  # rank 0's; the other rank's pool is never allocated from
+
+    abort_mid_stream(http, while_running=holds_slots)
+    wait_idle(http, KV_TOTAL)
 
 
 def test_a_killed_rank_takes_its_replica_down_and_serve_replaces_it(url, http):
