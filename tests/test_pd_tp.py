@@ -23,6 +23,7 @@ from radixserve.workers.protocol import (
     GenerateRequest,
     InvalidRequest,
     SamplingParams,
+    TransferFailed,
 )
 from tests.engine_utils import assert_kv_invariant
 from tests.test_pd_engine import abort_while_reserved, merge, reserved_until_timeout, unified_run
@@ -39,6 +40,10 @@ PROMPTS = [
     list(range(100, 170)),  # three prefill chunks: the last one's transfer starts mid-prompt
     [42] * 5,
 ]
+
+
+def pd_failed_total(engine: Engine) -> int:
+    return engine.stats()["pd_transfers_failed_total"]
 
 
 def idle_on_every_rank(engine: Engine) -> tuple[int, int]:
@@ -161,6 +166,28 @@ def test_abort_while_reserved_frees_every_rank(engines):
 def test_transfer_timeout_fails_clearly_and_frees_every_rank(engines):
     _, _, decode, _ = engines  # its transfers time out after 8 s
     asyncio.run(reserved_until_timeout(decode, PROMPTS[0]))
+
+
+def test_one_ranks_part_failing_fails_the_request_on_both_sides(engines):
+    """Rank 1 of the prefill replica is pointed at rank 0 of the decode replica (a forged
+    ticket): that pair's handshake refuses it (another shard of the model), while rank 0's part
+    lands. The decode replica fails the request once rank 1's part is overdue, the prefill
+    replica counts the transfer failed, and both free every rank."""
+    _, prefill, decode, _ = engines
+
+    async def go():
+        req = GenerateRequest(list(PROMPTS[1]), SamplingParams(max_new_tokens=4, temperature=0))
+        stream, done = decode.reserve(req)
+        (ticket,) = await asyncio.wrap_future(done)
+        forged = {**ticket, "rank_endpoints": [ticket["endpoint"]]}
+        chunks = await asyncio.to_thread(prefill.generate, dataclasses.replace(req, kv_tickets=[forged]))
+        assert len(chunks) == 1  # the first token, from the prefill replica
+        with pytest.raises(TransferFailed, match="rank 1"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(asyncio.wait_for(go(), timeout=60))
+    assert prefill.call(pd_failed_total) >= 1
 
 
 def test_replicas_of_unequal_degrees_are_refused_up_front(engines, checkpoint):
