@@ -76,8 +76,12 @@ def test_each_pool_gets_its_name_replicas_cpus_and_policy():
     assert "autoscaling_config" not in replica_options(scaled, "prefill")
 
 
-def test_pd_with_tensor_parallel_replicas_is_refused_at_start_up():
-    """A prefill replica's pool holds rank 0's heads only at tp_size > 1: PD refuses it up front."""
-    with pytest.raises(ValueError, match="tp_size > 1"):
-        ServerArgs.from_dict({"pd": True, "tp": 3})
-    assert ServerArgs.from_dict({"tp": 3}).engine.tp_size == 3  # unified TP is fine
+def test_pd_with_tensor_parallel_replicas_gives_both_pools_a_group_per_replica():
+    """Both pools take --tp: each replica of either is a placement group of one bundle per rank
+    (each rank moves its own heads' KV to the same rank of the peer, workers/executor/tp_kv.py)."""
+    args = ServerArgs.from_dict({"pd": True, "tp": 3, "prefill_num_cpus": 1, "decode_num_cpus": 2})
+    assert args.engine.tp_size == 3
+    for role, cpus in (("prefill", 1), ("decode", 2)):
+        options = replica_options(args, role)
+        assert options["placement_group_bundles"] == [{"CPU": cpus}] * 3
+        assert options["placement_group_strategy"] == "STRICT_PACK"
