@@ -50,7 +50,7 @@ from radixserve.workers.disaggregation.errors import (
 )
 from radixserve.workers.disaggregation.messages import KVEndpoint, KVTicket
 from radixserve.workers.disaggregation.spec import KVSpec, model_fingerprint
-from radixserve.workers.disaggregation.transfer import RecvHandle, SendHandle
+from radixserve.workers.disaggregation.transfer import RecvHandle, SendHandle, layer_by_layer
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.protocol import KV_TRANSFER_CHOICES
 
@@ -100,6 +100,7 @@ __all__ = [
     "TransferRefused",
     "TransferTimeout",
     "create_kv_transfer_engine",
+    "layer_by_layer",
     "model_fingerprint",
     "resolve_transport",
 ]

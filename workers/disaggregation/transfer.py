@@ -192,6 +192,23 @@ class SendHandle:
         return self._outcome.done()
 
 
+def layer_by_layer(started: list[tuple[SendHandle, int]]) -> Callable[[int], None] | None:
+    """A forward's `layer_done` for sends begun with it: each call queues that layer of every
+    send, tokens `first ..` (the forward's chunk). A send whose queueing fails is cancelled (the
+    receiver fails the transfer). None when there is nothing to stream."""
+    if not started:
+        return None
+
+    def layer_done(layer: int) -> None:
+        for handle, first in started:
+            try:
+                handle.send_layers(layer, layer + 1, first)
+            except Exception as exc:
+                handle.cancel(f"queueing layer {layer} failed: {exc!r}")
+
+    return layer_done
+
+
 class RecvHandle:
     """The receiving side of one transfer: the slots it will write, and its outcome.
 

@@ -43,6 +43,7 @@ from radixserve.workers.disaggregation import (
     RecvHandle,
     SendHandle,
     create_kv_transfer_engine,
+    layer_by_layer,
 )
 from radixserve.workers.engine.inflight import InflightRequests
 from radixserve.workers.engine.output_processor import OutputProcessor
@@ -275,9 +276,9 @@ class KVHandoff:
         for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
             ticket: KVTicket | None = req.kv_ticket
             end = len(req.origin_input_ids)
-            if ticket is None or req.output_ids or start + n != end or req.key in self.streaming:
+            if ticket is None or req.output_ids or start + n != end:
                 continue
-            if req.key in self.rank_sends:
+            if req.key in self.streaming or req.key in self.rank_sends:
                 continue
             completing.append((req, start, max(start, ticket.held_tokens) - ticket.held_tokens))
         if self.ranks is not None:
@@ -301,17 +302,7 @@ class KVHandoff:
             self.streaming[req.key] = (req, handle)
             if first < handle.num_tokens:
                 started.append((handle, first))
-        if not started:
-            return None
-
-        def layer_done(layer: int) -> None:
-            for handle, first in started:
-                try:
-                    handle.send_layers(layer, layer + 1, first)
-                except Exception as exc:  # the decode side fails it (TransferFailed): recomputed
-                    handle.cancel(f"queueing layer {layer} failed: {exc!r}")
-
-        return layer_done
+        return layer_by_layer(started)  # a send that fails there fails on the decode side: recomputed
 
     def _order_rank_sends(self, completing: list[tuple[Req, int, int]], layerwise: bool) -> None:
         assert self.ranks is not None

@@ -50,6 +50,7 @@ from radixserve.workers.disaggregation import (
     KVTransferEngine,
     KVTransferError,
     create_kv_transfer_engine,
+    layer_by_layer,
     model_fingerprint,
 )
 from radixserve.workers.mem_cache.kv_pool import KVPool
@@ -155,7 +156,8 @@ class FollowerTransfers:
 
     def _cancel(self, kind: str, ids: Sequence[str], reason: str) -> None:
         if kind == SEND:  # not started yet (no batch ran since the order): never will be
-            self._next = [o for o in self._next if o["id"] not in set(ids)]
+            dropped = set(ids)
+            self._next = [o for o in self._next if o["id"] not in dropped]
         for transfer_id in ids:
             with self._lock:
                 handle = self._open.pop((kind, transfer_id), None)
@@ -192,17 +194,7 @@ class FollowerTransfers:
             self._batch.append((handle, layerwise))
             if layerwise and first < handle.num_tokens:
                 streamed.append((handle, first))
-        if not streamed:
-            return None
-
-        def layer_done(layer: int) -> None:
-            for handle, first in streamed:
-                try:
-                    handle.send_layers(layer, layer + 1, first)
-                except Exception as exc:
-                    handle.cancel(f"queueing layer {layer} failed: {exc!r}")
-
-        return layer_done
+        return layer_by_layer(streamed)
 
     def end_batch(self) -> None:
         """After the forward: every layer of the batch's sends is written; close them."""
