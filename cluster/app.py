@@ -49,28 +49,52 @@ def replica_options(args: ServerArgs, role: str = "unified") -> dict[str, Any]:
         # Room for the most replicas every pool may scale to, sharing the nodes.
         most = sum(_most_replicas(args, r) for r in _roles(args))
         cpus = replica_cpu_share(most, args.engine.tp_size)
+    gpu = {"GPU": 1} if args.engine.device == "cuda" else {}  # resolved by with_engine_device
+    rank = {"CPU": cpus, **gpu}  # one rank's resources; rank 0 is the replica itself
     return {
         **deployment_autoscaling(role, args, count),
         "name": ROLE_DEPLOYMENTS[role],
         "max_ongoing_requests": d.max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": cpus},
+        "ray_actor_options": {"num_cpus": cpus, **({"num_gpus": 1} if gpu else {})},
         "request_router_config": router,
-        **tp_placement(args, cpus),
+        **tp_placement(args, rank),
     }
 
 
-def tp_placement(args: ServerArgs, cpus: float) -> dict[str, Any]:
+def tp_placement(args: ServerArgs, rank: dict[str, float]) -> dict[str, Any]:
     """A tensor-parallel replica is a placement group of one bundle per rank, each of a rank's
-    CPUs: Serve puts the replica (rank 0) in bundle 0, and the replica starts ranks 1..N-1 in the
-    others (workers/rank_actor.py). Serve reserves the group with the replica and frees it with
-    it. One engine per replica at tp_size 1: no group."""
+    resources (its CPUs, and its GPU on CUDA): Serve puts the replica (rank 0) in bundle 0, and
+    the replica starts ranks 1..N-1 in the others (workers/rank_actor.py). Serve reserves the
+    group with the replica and frees it with it. One engine per replica at tp_size 1: no group."""
     tp = args.engine.tp_size
     if tp == 1:
         return {}
     return {
-        "placement_group_bundles": [{"CPU": cpus} for _ in range(tp)],
+        "placement_group_bundles": [dict(rank) for _ in range(tp)],
         "placement_group_strategy": TP_PLACEMENTS[args.deployment.tp_placement],
     }
+
+
+def cluster_gpus() -> float | None:
+    """GPUs in the Ray cluster now, or None where Ray is not initialized here."""
+    if not ray.is_initialized():
+        return None
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
+def with_engine_device(args: ServerArgs) -> ServerArgs:
+    """`args` with the engines' device resolved for the cluster: auto is cuda where the cluster
+    has GPUs, else cpu, so that every replica asks Ray for the same resources. --device cuda on a
+    cluster without GPUs is refused here: its replicas could never be placed."""
+    device, gpus = args.engine.device, cluster_gpus()
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    elif device == "cuda" and gpus == 0:
+        raise ValueError(
+            "--device cuda, but the Ray cluster has no GPU (ray status lists none): start GPU nodes, "
+            "or run with --device cpu"
+        )
+    return dataclasses.replace(args, engine=dataclasses.replace(args.engine, device=device))
 
 
 def _roles(args: ServerArgs) -> tuple[str, ...]:
@@ -110,6 +134,7 @@ def engine_deployment(args: ServerArgs, role: str) -> Any:
 
 
 def build(args: ServerArgs) -> Application:
+    args = with_engine_device(args)
     ingress = IngressDeployment.options(
         num_replicas=args.deployment.ingress_replicas,
         max_ongoing_requests=args.deployment.max_ongoing_requests,

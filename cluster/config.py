@@ -18,7 +18,7 @@ import yaml
 
 from radixserve.router.frontend.config import LOG_LEVELS, HTTPConfig, IngressConfig
 from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
-from radixserve.workers.engine.config import SCHEDULE_POLICIES, EngineConfig
+from radixserve.workers.engine.config import ATTENTION_BACKENDS, DEVICES, SCHEDULE_POLICIES, EngineConfig
 from radixserve.workers.protocol import KV_TRANSFER_CHOICES, PD_ON_FAILURE
 
 # Engine fields the application builder sets per deployment; no user sets them.
@@ -261,6 +261,12 @@ HELP = {
     "model_path": "HF directory, .gguf file, or unset for the embedded SmolLM2-135M-Instruct",
     "served_model_name": "the model name clients send (default: derived from the model path)",
     "dtype": "auto | bfloat16 | float32 | float16",
+    "device": "where the engines run: auto (cuda where the cluster has GPUs, else cpu) | cpu | cuda "
+    "(one GPU per replica, per rank with --tp)",
+    "attention_backend": "auto (cpu on CPU, triton on CUDA) | cpu (fused C++) | triton (paged Triton "
+    "kernels) | torch (flash-attn varlen or SDPA) | torch_ref (slow reference)",
+    "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    "cuda_graph_max_bs": "CUDA: largest decode batch replayed from a CUDA graph (larger ones run eagerly)",
     "context_length": "maximum prompt + completion tokens (default: the model's)",
     "mem_fraction_static": "share of memory for weights and the KV pool",
     "max_total_tokens": "KV pool size in tokens (wins over --mem-fraction-static)",
@@ -369,6 +375,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             else:
                 choices = {
                     "schedule_policy": SCHEDULE_POLICIES,
+                    "device": DEVICES,
+                    "attention_backend": ATTENTION_BACKENDS,
                     "log_level": LOG_LEVELS,
                     "router_policy": POLICY_NAMES,
                     "tp_placement": tuple(TP_PLACEMENTS),

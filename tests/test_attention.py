@@ -11,7 +11,14 @@ import torch.nn.functional as F
 
 from radixserve.kernels import cpu_ops
 from radixserve.workers.mem_cache.kv_pool import KVPool
-from radixserve.workers.models.attention import CpuBackend, TorchReferenceBackend, get_backend
+from radixserve.workers.models.attention import (
+    CpuBackend,
+    TorchBackend,
+    TorchReferenceBackend,
+    TritonBackend,
+    backend_name,
+    get_backend,
+)
 from radixserve.workers.models.forward_batch import ForwardMode
 from tests.model_driver import make_batch
 
@@ -78,7 +85,28 @@ def test_cpu_backend_matches_reference(case, heads, kv_heads, head_dim, dtype, o
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("backend", [CpuBackend(), TorchReferenceBackend()], ids=["cpu", "ref"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 1, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_device_backends_match_reference(case, heads, kv_heads, head_dim, dtype, name):
+    """The GPU backends as the engine calls them (Triton interpreted here, on CPU tensors)."""
+    backend = {"torch": TorchBackend, "triton": TritonBackend}[name]()
+    mode, prefix_lens, extend_lens = CASES[case]
+    ours, *_ = _run(backend, mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim)
+    ref, *_ = _run(
+        TorchReferenceBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim
+    )
+    assert ours.shape == ref.shape and ours.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [CpuBackend(), TorchReferenceBackend(), TorchBackend(), TritonBackend()],
+    ids=["cpu", "ref", "torch", "triton"],
+)
 def test_new_kv_written_to_out_slots_of_the_layer(backend):
     out, pool, batch, (_, k, v) = _run(backend, ForwardMode.EXTEND, [3, 0], [2, 4], 4, 2, torch.float32)
     torch.testing.assert_close(pool.k_buffers[1][batch.out_slots], k, atol=0, rtol=0)
@@ -117,3 +145,15 @@ def test_get_backend():
     assert isinstance(get_backend("torch_ref"), TorchReferenceBackend)
     with pytest.raises(ValueError, match="unknown attention backend 'flashinfer'"):
         get_backend("flashinfer")
+
+
+def test_backend_choice_per_device():
+    """auto: the fused CPU kernels on CPU, Triton on CUDA unless the head_dim does not suit it."""
+    assert backend_name("auto", "cpu", 64) == "cpu"
+    assert backend_name("auto", "cuda", 64) == "triton"
+    assert backend_name("auto", "cuda", 80) == "torch"
+    assert backend_name("torch", "cuda", 80) == "torch"
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        backend_name("cpu", "cuda", 64)
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16, not 80"):
+        backend_name("triton", "cpu", 80)

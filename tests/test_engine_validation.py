@@ -12,24 +12,45 @@ from radixserve.workers.protocol import InvalidRequest, SamplingParams, check_co
 
 
 # Configuration ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", ["auto", "cpu"])
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda"])
 def test_supported_devices_are_accepted(device):
     assert EngineConfig(device=device).device == device
 
 
-@pytest.mark.parametrize("device", ["cuda", "cuda:0", "mps", "CPU", ""])
+@pytest.mark.parametrize("device", ["cuda:0", "mps", "CPU", ""])
 def test_other_devices_are_a_startup_error(device):
     with pytest.raises(ValueError) as e:
         EngineConfig(device=device)
-    assert str(e.value) == f"device {device!r} is not supported; supported devices: auto, cpu"
+    assert str(e.value) == f"device {device!r} is not supported; supported devices: auto, cpu, cuda"
 
 
 def test_cli_refuses_an_unsupported_device(capsys):
-    assert parse_cli(["--device", "cpu"]).engine.device == "cpu"
+    assert parse_cli(["--device", "cuda"]).engine.device == "cuda"
     with pytest.raises(SystemExit) as e:
-        parse_cli(["--device", "cuda"])
+        parse_cli(["--device", "mps"])
     assert e.value.code == 2  # argparse's usage error
-    assert "device 'cuda' is not supported; supported devices: auto, cpu" in capsys.readouterr().err
+    assert "invalid choice: 'mps'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_cuda_without_a_gpu_is_a_clear_startup_error():
+    """Before anything loads: the engine names what is missing and what to run instead."""
+    from radixserve.workers.distributed.device import resolve_device
+    from radixserve.workers.engine.engine import Engine
+
+    with pytest.raises(RuntimeError, match=r"--device cuda was asked for, but .*; run with --device cpu"):
+        resolve_device("cuda")
+    with pytest.raises(RuntimeError, match="--device cuda was asked for"):
+        Engine(device="cuda")
+    assert resolve_device("auto").type == "cpu"
+
+
+def test_attention_backend_is_checked_at_startup(capsys):
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flashinfer")
+    with pytest.raises(SystemExit):
+        parse_cli(["--attention-backend", "flashinfer"])
+    assert parse_cli(["--attention-backend", "triton"]).engine.attention_backend == "triton"
 
 
 @pytest.mark.parametrize(

@@ -183,10 +183,12 @@ def test_step_stats_report_hidden_host_time(engines):
     assert off["decode_text_ms_avg"] > 0 and off["decode_forward_ms_avg"] > 0
 
 
-def test_overlap_is_off_unless_asked_for():
-    assert EngineConfig().overlap is False
-    assert EngineConfig(enable_overlap=True).overlap is True
-    assert EngineConfig(enable_overlap=False).overlap is False
+def test_overlap_is_off_on_cpu_and_on_on_cuda_unless_asked_otherwise():
+    assert EngineConfig().overlap("cpu") is False
+    assert EngineConfig().overlap("cuda") is True
+    for kind in ("cpu", "cuda"):
+        assert EngineConfig(enable_overlap=True).overlap(kind) is True
+        assert EngineConfig(enable_overlap=False).overlap(kind) is False
 
 
 @pytest.mark.parametrize("overlap,thread", [(True, "radixserve-forward"), (False, "radixserve-engine")])

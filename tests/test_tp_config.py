@@ -40,3 +40,31 @@ def test_a_tp_replica_is_a_placement_group_of_one_bundle_per_rank(monkeypatch):
     monkeypatch.setattr(app.os, "cpu_count", lambda: 8)
     assert [app.replica_cpu_share(dp, 2) for dp in (1, 2, 3)] == [4.0, 2.0, 1.0]
     assert app.replica_cpu_share(1, 4) == 2.0
+
+
+def test_cuda_replicas_ask_ray_for_one_gpu_per_rank(monkeypatch):
+    """--device cuda: a replica (rank 0) and each rank's bundle hold one GPU; auto resolves on the
+    cluster's resources, and cuda on a cluster without GPUs is refused before anything deploys."""
+    from radixserve.workers.replica import EngineReplica
+
+    def device_on(gpus: float | None, device: str, **more) -> ServerArgs:
+        monkeypatch.setattr(app, "cluster_gpus", lambda: gpus)
+        return app.with_engine_device(ServerArgs.from_dict({"device": device, **more}))
+
+    assert device_on(8.0, "auto").engine.device == "cuda"
+    assert device_on(0.0, "auto").engine.device == "cpu"
+    assert device_on(None, "auto").engine.device == "cpu"  # no Ray here: nothing to place on GPUs
+    assert device_on(8.0, "cpu").engine.device == "cpu"
+    with pytest.raises(ValueError, match="--device cuda, but the Ray cluster has no GPU"):
+        device_on(0.0, "cuda")
+
+    one = app.replica_options(device_on(8.0, "cuda", replica_num_cpus=4))
+    assert one["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 1}
+    assert "placement_group_bundles" not in one
+    tp = app.replica_options(device_on(8.0, "cuda", tp=2, replica_num_cpus=4))
+    assert tp["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 1}  # rank 0 fits bundle 0
+    assert tp["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1}, {"CPU": 4.0, "GPU": 1}]
+    assert EngineReplica.options(**tp)._deployment_config is not None
+    for role in ("prefill", "decode"):
+        pd = app.replica_options(device_on(8.0, "auto", pd=True, prefill_num_cpus=2, decode_num_cpus=2), role)
+        assert pd["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 1}

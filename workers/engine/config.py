@@ -6,20 +6,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.workers.distributed.device import DEVICES
 from radixserve.workers.distributed.parallel import ParallelConfig
 from radixserve.workers.mem_cache.radix_cache import EVICTION_POLICIES
+from radixserve.workers.models.attention import ATTENTION_BACKENDS
 from radixserve.workers.protocol import KV_TRANSFER_CHOICES, ROLES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
-# Only the CPU path exists; "auto" picks it. Another device is refused rather than ignored.
-DEVICES = ("auto", "cpu")
-
-# enable_overlap=None leaves overlap off: it measured slower on CPU (2 cores, SmolLM2-135M, one
+# enable_overlap=None leaves overlap off on CPU, where it measured slower (2 cores, SmolLM2-135M, one
 # engine per process): batch-16 decode 450 tok/s off, 285-300 on; bench_offline --overlap both
 # --scale 0.5: on/off 0.66x (decode b8), 0.56x (b32), 0.55x (prefill-heavy mix). The forward's
 # OpenMP team already uses every core, so a busy engine thread beside it only preempts a worker
-# mid-op; the host work it could hide is ~4 ms of a ~27 ms step.
-DEFAULT_OVERLAP = False
+# mid-op; the host work it could hide is ~4 ms of a ~27 ms step. On CUDA the forward is queued
+# asynchronously and the host work of the next step is what keeps the GPU fed: overlap is on.
+DEFAULT_OVERLAP = {"cpu": False, "cuda": True}
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class EngineConfig:
     model_path: str | None = None  # None = the embedded default model
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = bf16 where the CPU/GPU supports it, else fp32
-    device: str = "auto"  # one of DEVICES
+    device: str = "auto"  # one of DEVICES: auto = cuda where torch sees a GPU, else cpu
     context_length: int | None = None  # default: the model's
     mem_fraction_static: float | None = None  # share of memory for weights + KV pool
     max_total_tokens: int | None = None  # KV pool size in tokens (wins over mem_fraction_static)
@@ -42,8 +42,11 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu (radix_cache.py)
-    enable_overlap: bool | None = None  # None = DEFAULT_OVERLAP
-    attention_backend: str = "auto"
+    enable_overlap: bool | None = None  # None = DEFAULT_OVERLAP of the device
+    attention_backend: str = "auto"  # models/attention.py: auto | cpu | torch | triton | torch_ref
+    # CUDA graphs of the decode forward, one per batch-size bucket (CUDA only; tp_size 1).
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
     random_seed: int = 0
     num_threads: int | None = None  # torch threads of each rank; None: all cores (a rank: its share)
     # Tensor parallelism: tp_size ranks run every forward, each with its shard of the model and a
@@ -70,6 +73,12 @@ class EngineConfig:
             raise ValueError(
                 f"device {self.device!r} is not supported; supported devices: {', '.join(DEVICES)}"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError("cuda_graph_max_bs must be >= 1")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
@@ -112,10 +121,9 @@ class EngineConfig:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model_path=model_path, **kwargs)
 
-    @property
-    def overlap(self) -> bool:
-        """Whether the engine overlaps host work with the forward."""
-        return DEFAULT_OVERLAP if self.enable_overlap is None else self.enable_overlap
+    def overlap(self, device_kind: str = "cpu") -> bool:
+        """Whether the engine overlaps host work with the forward on a `device_kind` device."""
+        return DEFAULT_OVERLAP[device_kind] if self.enable_overlap is None else self.enable_overlap
 
     def context_cap(self, model_context_length: int) -> int:
         """The context length the engine serves: the configured one, never above the model's."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from radixserve.workers.distributed.device import resolve_device
 from radixserve.workers.distributed.launch import RankLauncher
 from radixserve.workers.engine.commands import (
     AbortRequest,
@@ -64,8 +65,9 @@ from radixserve.workers.sampling.sampler import Sampler
 logger = logging.getLogger("radixserve.engine")
 
 # Without --mem-fraction-static or --max-total-tokens a CPU replica takes this share of memory for
-# weights + KV (GPU servers default higher; CPU hosts share memory with everything else).
+# weights + KV (CPU hosts share memory with everything else); a GPU replica takes most of its GPU.
 DEFAULT_CPU_MEM_FRACTION = 0.2
+DEFAULT_GPU_MEM_FRACTION = 0.85
 IDLE_POLL_S = 0.5
 GRAMMAR_POLL_S = 0.002  # while only grammar compiles are pending
 TRANSFER_POLL_S = 0.002  # while only KV transfers are pending
@@ -78,6 +80,7 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         tune_malloc()
+        self.device = resolve_device(config.device)  # a missing GPU fails here, before any rank starts
         dtype = None if config.dtype == "auto" else config.dtype
         self.tp = TPLeader.start(
             config.parallel,
@@ -87,9 +90,12 @@ class EngineCore:
             config.num_threads,
             rank_launcher,
             kv=_rank_kv(config),
+            device=self.device.type,
         )
         try:
-            loaded = load_model(config.model_path, dtype, config.attention_backend, parallel=self.tp.parallel)
+            loaded = load_model(
+                config.model_path, dtype, config.attention_backend, self.tp.parallel, self.device
+            )
             mc = loaded.config
             self.pool = KVPool(
                 mc.num_layers,
@@ -97,6 +103,7 @@ class EngineCore:
                 mc.head_dim,
                 self._pool_tokens(loaded),
                 dtype=mc.dtype,
+                device=self.device,
                 page_size=config.page_size,
             )
             self.tp.share_pool(self.pool.size, config.page_size)
@@ -108,7 +115,9 @@ class EngineCore:
         self.model_path = loaded.model_path
         self.served_model_name = config.served_model_name or loaded.name
         self.context_length = config.context_cap(mc.context_length)
-        self.req_pool = ReqToTokenPool(config.max_running_requests + 1, self.context_length + 1)
+        self.req_pool = ReqToTokenPool(
+            config.max_running_requests + 1, self.context_length + 1, device=self.device
+        )
         self.cache = (
             NullCache(self.pool, page_size=config.page_size)
             if config.disable_radix_cache
@@ -117,9 +126,11 @@ class EngineCore:
             )
         )
         self.scheduler = Scheduler(config, self.pool, self.req_pool, self.cache)
-        self.runner = ModelRunner(self.tp.wrap(loaded.model), self.pool, self.req_pool)
+        self.runner = ModelRunner(self.tp.wrap(loaded.model), self.pool, self.req_pool, self.device)
+        if self._use_cuda_graphs(loaded.model):
+            self.runner.capture_decode_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
         self.vocab_size = len(self.tokenizer)
-        self.sampler = Sampler(self.vocab_size, mc.eos_token_ids, seed=config.random_seed)
+        self.sampler = Sampler(self.vocab_size, mc.eos_token_ids, self.device, seed=config.random_seed)
         self.outputs = OutputProcessor(
             self.tokenizer,
             mc.eos_token_ids,
@@ -127,7 +138,7 @@ class EngineCore:
             config.stream_interval,
             config.enable_jump_forward,
         )
-        self.overlap = config.overlap
+        self.overlap = config.overlap(self.device.type)
         self.worker = ForwardWorker(self.runner, self.sampler, threaded=self.overlap)
         self.requests = RequestBuilder(self.tokenizer, self.sampler, self.context_length, self.pool.size)
         self.grammars = GrammarQueue(
@@ -162,11 +173,24 @@ class EngineCore:
         mc = loaded.config
         if self.config.max_total_tokens:
             return self.config.max_total_tokens
-        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
         heads = loaded.local_kv_heads  # this rank's share: each rank sizes its own memory
         per_token = KVPool.bytes_per_token(mc.num_layers, heads, mc.head_dim, mc.dtype)
+        if self.device.type == "cuda":
+            # The fraction of the GPU's memory holds everything in use now (the weights, the CUDA
+            # context, any other process) plus the pool; the rest is left to activations.
+            free, total = torch.cuda.mem_get_info(self.device)
+            fraction = self.config.mem_fraction_static or DEFAULT_GPU_MEM_FRACTION
+            return max_tokens_for_memory(fraction, total - free, per_token, total)
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
         fraction = self.config.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
         return max_tokens_for_memory(fraction, weight_bytes, per_token)
+
+    def _use_cuda_graphs(self, model: Any) -> bool:
+        """CUDA graphs replay the decode forward of one rank: CUDA, tp_size 1, a model whose decode
+        reads nothing back to the host (not MoE routing), an attention backend that does neither."""
+        if self.device.type != "cuda" or self.config.disable_cuda_graph or self.config.tp_size > 1:
+            return False
+        return getattr(model, "graph_capturable", False) and model.backend.name in ("triton", "torch")
 
     # Thread-safe helpers ---------------------------------------------------------------------
     def make_reqs(self, request: GenerateRequest) -> list[Req]:

@@ -149,7 +149,7 @@ class ForwardWorker:
         t1 = time.perf_counter()
         if job.rows:
             if len(job.rows) != logits.shape[0]:
-                logits = logits[torch.tensor(job.rows)]
+                logits = logits[torch.tensor(job.rows, device=logits.device)]
             if job.constrained:
                 assert job.bitmask is not None, "constrained rows come with their bitmask"
                 apply_bitmask(logits, job.bitmask, job.constrained)
@@ -216,6 +216,8 @@ class ForwardWorker:
         """Set up the calling thread to run forwards (grad mode and thread count are per thread)."""
         torch.set_grad_enabled(False)
         torch.set_num_threads(self.num_threads)
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)  # the current device is per thread
 
     def init_engine_thread(self) -> None:
         """Set up the engine thread: it runs the forwards inline, or in threaded mode only small

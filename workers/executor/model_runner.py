@@ -1,4 +1,5 @@
-"""Turns a scheduler plan into tensors, runs the model over the KV pool, and samples."""
+"""Turns a scheduler plan into tensors on the engine's device and runs the model over the KV pool
+(eagerly, or for decode steps on CUDA by replaying a captured graph: executor/cuda_graphs.py)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,29 @@ from typing import Any
 
 import torch
 
+from radixserve.workers.executor.cuda_graphs import DecodeGraphs
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: Any, req_pool: Any, device: str = "cpu"):
+    def __init__(self, model: torch.nn.Module, pool: Any, req_pool: Any, device: str | torch.device = "cpu"):
         self.model = model
         self.pool = pool
         self.req_pool = req_pool
-        self.device = device
+        self.device = torch.device(device)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_bs: int, eager: bool = False) -> DecodeGraphs:
+        """Capture the decode forward for batch sizes up to `max_bs` (CUDA); `eager`: the same
+        static buffers and padding, run without graphs (any device)."""
+        graphs = DecodeGraphs(self.model, self.pool, max_bs, self.req_pool.max_context, self.device)
+        graphs.run_eagerly() if eager else graphs.capture()
+        self.graphs = graphs
+        return graphs
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def prepare(self, plan: ScheduledBatch) -> ForwardBatch:
         ids: list[int] = []
@@ -48,19 +62,19 @@ class ModelRunner:
             req.table_len = end
         table = self.req_pool.table
         if t_vals:
-            table[torch.tensor(t_rows), torch.tensor(t_cols)] = torch.tensor(t_vals, dtype=table.dtype)
+            table[self._tensor(t_rows), self._tensor(t_cols)] = self._tensor(t_vals)
         extend_lens = list(plan.extend_lens)
-        kv_indices = table[torch.tensor(rows), : max(seq_lens)]
-        cu = torch.tensor(extend_lens).cumsum(0)
+        kv_indices = table[self._tensor(rows), : max(seq_lens)]
+        extend = self._tensor(extend_lens)
         return ForwardBatch(
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            out_slots=torch.tensor(out_slots, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            extend_lens=torch.tensor(extend_lens, dtype=torch.int64),
-            kv_indices=kv_indices.to(torch.int64),
-            logits_indices=cu - 1,
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
+            out_slots=self._tensor(out_slots),
+            seq_lens=self._tensor(seq_lens),
+            extend_lens=extend,
+            kv_indices=kv_indices,
+            logits_indices=extend.cumsum(0) - 1,
             seq_lens_list=seq_lens,
             extend_lens_list=extend_lens,
         )
@@ -68,6 +82,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] (float32) at the last new token of each sequence."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
         return self.model(batch, self.pool)
 
 

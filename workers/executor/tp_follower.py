@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from radixserve.workers.distributed.device import comm_backend, resolve_device
 from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
 from radixserve.workers.executor.cpu_runtime import tune_malloc
@@ -66,6 +67,7 @@ class FollowerSpec:
     start_timeout_s: float
     step_timeout_s: float  # the group's collective timeout
     kv: RankKVSpec | None = None  # a prefill or decode replica's: this rank's own KV transfers
+    device: str = "cpu"  # rank 0's device kind: "cpu" or "cuda" (rank r takes its own GPU)
 
 
 def follow(rank: int, spec: FollowerSpec) -> None:
@@ -75,12 +77,18 @@ def follow(rank: int, spec: FollowerSpec) -> None:
     tune_malloc()
     timeout = datetime.timedelta(seconds=spec.start_timeout_s)
     store = dist.TCPStore(spec.host, spec.port, spec.world_size, False, timeout=timeout)
+    try:
+        device = resolve_device(spec.device, rank)
+    except BaseException as exc:
+        store.set(rank_key("failed", rank), f"{type(exc).__name__}: {exc}")
+        raise
     store.set(rank_key("joined", rank), str(os.getpid()))
-    group = CommGroup.init(store, rank, spec.world_size, backend="gloo", timeout_s=spec.step_timeout_s)
+    backend = comm_backend(device)
+    group = CommGroup.init(store, rank, spec.world_size, backend=backend, timeout_s=spec.step_timeout_s)
     transfers: FollowerTransfers | None = None
     try:
         try:
-            loaded, pool = _load(spec, group, store)
+            loaded, pool = _load(spec, group, store, device)
             if spec.kv is not None:
                 transfers = FollowerTransfers.start(rank, spec.kv, pool, loaded, store)
         except BaseException as exc:
@@ -107,9 +115,11 @@ def follow(rank: int, spec: FollowerSpec) -> None:
         group.destroy()
 
 
-def _load(spec: FollowerSpec, group: CommGroup, store: dist.Store) -> tuple[Any, KVPool]:
+def _load(
+    spec: FollowerSpec, group: CommGroup, store: dist.Store, device: torch.device
+) -> tuple[Any, KVPool]:
     parallel = Parallel(ParallelConfig(spec.world_size, spec.ep_size), group)
-    loaded = load_model(spec.model_path, spec.dtype, spec.attention_backend, parallel=parallel)
+    loaded = load_model(spec.model_path, spec.dtype, spec.attention_backend, parallel, device)
     layout = json.loads(store.get(POOL_KEY))  # waits: rank 0 publishes it once its own pool is sized
     mc = loaded.config
     pool = KVPool(
@@ -118,6 +128,7 @@ def _load(spec: FollowerSpec, group: CommGroup, store: dist.Store) -> tuple[Any,
         mc.head_dim,
         int(layout["num_slots"]),
         dtype=mc.dtype,
+        device=device,
         page_size=int(layout["page_size"]),
     )
     return loaded, pool

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from radixserve.workers.distributed.device import comm_backend
 from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.launch import LocalLauncher, RankHandle, RankLauncher
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
@@ -95,15 +96,17 @@ class TPLeader:
         num_threads: int | None,
         launcher: RankLauncher | None = None,
         kv: RankKVSpec | None = None,
+        device: str = "cpu",
     ) -> TPLeader:
         """Check the model's layout over `config`, start ranks 1..N-1 and join them as rank 0.
         Raises ValueError for a layout the model does not have (before anything starts) and
         RuntimeError naming the rank that failed to start. `kv`: the ranks of a prefill or decode
-        replica each move their own heads' KV (executor/tp_kv.py)."""
+        replica each move their own heads' KV (executor/tp_kv.py). `device`: "cpu" or "cuda", rank
+        0's (already set as this process's current device); the group runs gloo or NCCL on it."""
         if config.tp_size == 1:
             return cls.single()
         model_dir, _ = resolve_model_dir(model_path)  # converts a GGUF once, here
-        mc = read_config(model_dir, resolve_dtype(dtype))
+        mc = read_config(model_dir, resolve_dtype(dtype, device))
         config.check_model(mc.num_heads, mc.num_kv_heads, mc.moe.num_experts if mc.moe else 0)
         if dist.is_initialized():
             raise RuntimeError("this process holds a tensor-parallel group already (one per process)")
@@ -124,12 +127,14 @@ class TPLeader:
             start_timeout_s=START_TIMEOUT_S,
             step_timeout_s=STEP_TIMEOUT_S,
             kv=kv,
+            device=device,
         )
         handles = launcher.start(follow, range(1, config.tp_size), spec)
         leader = cls(Parallel.single(), store, handles, threads)
         try:
             leader._wait_for("joined")
-            group = CommGroup.init(store, 0, config.tp_size, backend="gloo", timeout_s=STEP_TIMEOUT_S)
+            backend = comm_backend(torch.device(device))
+            group = CommGroup.init(store, 0, config.tp_size, backend=backend, timeout_s=STEP_TIMEOUT_S)
         except BaseException as exc:
             leader.abort(f"start-up failed: {exc}")
             raise

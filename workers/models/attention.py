@@ -1,4 +1,13 @@
-"""Attention over the paged KV pool: a reference backend and the fast CPU backend.
+"""Attention over the paged KV pool: the fast CPU backend, the GPU backends, and a reference.
+
+- cpu: fused C++ kernels (kernels/cpu_ops); the default on CPU.
+- triton: the Triton kernels of kernels/triton_ops, paged decode and extend over a cached prefix,
+  reading K/V straight from the pool; the default on CUDA. On CPU tensors they run in Triton's
+  interpreter (slow: for tests).
+- torch: library kernels on any device: decode in two batched matmuls over gathered K/V, extend
+  through flash-attn's varlen kernel where that package is installed (CUDA, fp16/bf16), else SDPA
+  per sequence (kernels/varlen_attention.py).
+- torch_ref: obviously-correct float32 math, one sequence at a time (tests).
 
 Contract of `forward(q, k, v, layer_id, batch, kv_pool)`: q [T, H, D], k/v [T, KVH, D] for the T
 new tokens of `batch`. The backend first writes k/v into `kv_pool.{k,v}_buffers[layer_id]` at
@@ -16,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import cpu_ops
+from radixserve.kernels.varlen_attention import extend_attention_varlen
 from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -148,13 +158,91 @@ def _extend_sdpa(q, k, v, k_buf, v_buf, seqs: list[_ExtendSeq]) -> torch.Tensor:
     return out
 
 
-_BACKENDS = {"torch_ref": TorchReferenceBackend, "cpu": CpuBackend}
+class TorchBackend(AttentionBackend):
+    """Library kernels on any device (see the module's docstring); no kernel of ours."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, layer_id, batch, kv_pool):
+        store_kv(k, v, layer_id, batch, kv_pool)
+        k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+        if batch.mode == ForwardMode.DECODE:
+            out = cpu_ops.decode_attention_torch(
+                q.to(k_buf.dtype), k_buf, v_buf, batch.kv_indices, batch.seq_lens
+            )
+            return out.to(q.dtype)
+        return extend_attention_varlen(
+            q, k_buf, v_buf, batch.kv_indices, batch.seq_lens_list, batch.extend_lens_list
+        )
 
 
-def get_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """ "auto" picks the fastest backend for `device` (the CPU backend on CPU)."""
+class TritonBackend(AttentionBackend):
+    """kernels/triton_ops over the pool: one launch (two for decode's split merge) per layer for
+    the whole batch, no gather of K/V, nothing read back to the host (CUDA graphs can capture the
+    decode forward). Needs a head_dim that is a power of two >= 16."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from radixserve.kernels import triton_ops  # imports triton: only where this backend is used
+
+        self.ops = triton_ops
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.mode == ForwardMode.DECODE:
+            batch.attn_metadata = None
+        else:
+            cu = torch.tensor(batch.cu_extend, dtype=torch.int64, device=batch.kv_indices.device)
+            batch.attn_metadata = (cu, max(batch.extend_lens_list, default=0))
+
+    def forward(self, q, k, v, layer_id, batch, kv_pool):
+        store_kv(k, v, layer_id, batch, kv_pool)
+        k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+        if batch.mode == ForwardMode.DECODE:
+            out = self.ops.decode_attention(q.to(k_buf.dtype), k_buf, v_buf, batch.kv_indices, batch.seq_lens)
+            return out.to(q.dtype)
+        if batch.attn_metadata is None:
+            self.prepare(batch)
+        cu, max_extend = batch.attn_metadata
+        out = self.ops.extend_attention(
+            q.to(k_buf.dtype), k_buf, v_buf, batch.kv_indices, batch.seq_lens, cu, max_extend
+        )
+        return out.to(q.dtype)
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "cpu": CpuBackend,
+    "triton": TritonBackend,
+    "torch": TorchBackend,
+    "torch_ref": TorchReferenceBackend,
+}
+ATTENTION_BACKENDS = ("auto", *_BACKENDS)
+
+
+def triton_fits(head_dim: int) -> bool:
+    """Whether the Triton kernels take this head_dim (a power of two, at least 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def backend_name(name: str, device: str | torch.device, head_dim: int) -> str:
+    """The backend `name` means on `device`: "auto" is cpu on CPU, triton on CUDA (torch where the
+    head_dim does not suit the Triton kernels). Raises for unknown names and unsuitable choices."""
+    kind = torch.device(device).type
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
     if name == "auto":
-        name = "cpu"
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
-    return _BACKENDS[name]()
+        if kind == "cpu":
+            return "cpu"
+        return "triton" if triton_fits(head_dim) else "torch"
+    if name == "cpu" and kind != "cpu":
+        raise ValueError(f"the cpu attention backend runs on CPU only, not on {kind}")
+    if name == "triton" and not triton_fits(head_dim):
+        raise ValueError(f"the triton attention backend needs a power-of-two head_dim >= 16, not {head_dim}")
+    return name
+
+
+def get_backend(
+    name: str = "auto", device: str | torch.device = "cpu", head_dim: int = 64
+) -> AttentionBackend:
+    """The attention backend `name` (see backend_name) for a model of `head_dim` on `device`."""
+    return _BACKENDS[backend_name(name, device, head_dim)]()

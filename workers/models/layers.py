@@ -51,12 +51,11 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos().to(dtype=dtype, device=device)
         self.sin = freqs.sin().to(dtype=dtype, device=device)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> contiguous cos, sin of shape [T, head_dim // 2]."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            raise ValueError(
-                f"position {int(positions.max())} is beyond the context length {self.cos.shape[0]}"
-            )
+    def cos_sin(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions, none above the host-side `max_position` (so that nothing is read back
+        from a device) -> contiguous cos, sin of shape [T, head_dim // 2]."""
+        if max_position >= self.cos.shape[0]:
+            raise ValueError(f"position {max_position} is beyond the context length {self.cos.shape[0]}")
         return self.cos[positions], self.sin[positions]
 
     @staticmethod

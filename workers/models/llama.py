@@ -132,6 +132,9 @@ class LlamaForCausalLM(nn.Module):
     """Build under `torch.device("meta")`, then `to_empty(device=...)` and `load_weights(...)`."""
 
     attention_cls: type[LlamaAttention] = LlamaAttention
+    # Whether the decode forward reads nothing back to the host, so that a CUDA graph can capture
+    # it (MoE routing reads its expert counts: those models say no).
+    graph_capturable = True
 
     def __init__(
         self,
@@ -181,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool) -> torch.Tensor:
         self.backend.prepare(batch)
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens_list, default=0) - 1)
         layers = self.model.layers
         residual = self.model.embed_tokens(batch.input_ids)  # a fresh tensor: safe to update in place
         x = layers[0].input_layernorm(residual)

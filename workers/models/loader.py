@@ -81,9 +81,9 @@ class LoadedModel:
 
 
 @functools.lru_cache(maxsize=1)
-def default_dtype() -> torch.dtype:
-    """bfloat16 where the hardware computes it natively, else float32."""
-    if torch.cuda.is_available():
+def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """bfloat16 where `device` computes it natively, else float32."""
+    if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     try:
         with open("/proc/cpuinfo") as f:
@@ -93,9 +93,9 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & set(flags) else torch.float32
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
     if dtype is None or dtype == "auto":
-        return default_dtype()
+        return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
     key = str(dtype).lower().removeprefix("torch.")
@@ -172,13 +172,13 @@ def read_config(model_dir: Path, dtype: torch.dtype) -> ModelConfig:
 def build_model(
     config: ModelConfig,
     attention_backend: str = "auto",
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     parallel: Parallel | None = None,
 ) -> LlamaForCausalLM:
     """An uninitialized model of the config's architecture (weights still to be loaded); with
     `parallel`, this rank's shard of it."""
-    backend = get_backend(attention_backend, device)
-    if device == "cpu":
+    backend = get_backend(attention_backend, device, config.head_dim)
+    if torch.device(device).type == "cpu":
         cpu_ops.native_ops()  # build (first time on a machine, ~1 min) now, not in the first forward
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, backend, rotary_device=device, parallel=parallel)
@@ -222,19 +222,21 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     attention_backend: str = "auto",
     parallel: Parallel | None = None,
+    device: str | torch.device = "cpu",
 ) -> LoadedModel:
-    """Load a local model. `model_path` None = the embedded SmolLM2-135M-Instruct default.
+    """Load a local model onto `device`. `model_path` None = the embedded SmolLM2-135M-Instruct
+    default.
 
     With `parallel`, this rank's shard (every rank of the group calls this with the same path):
     the model holds only its slices, read from the full checkpoint tensors.
     """
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     model_dir, name = resolve_model_dir(model_path)
     config = read_config(model_dir, torch_dtype)
     tokenizer = load_tokenizer(model_dir)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config = dataclasses.replace(config, eos_token_ids=(int(tokenizer.eos_token_id),))
-    model = build_model(config, attention_backend, parallel=parallel)
+    model = build_model(config, attention_backend, device, parallel=parallel)
     model.load_weights(iter_checkpoint(model_dir))
     model.pack_weights(packed_gemm_crossover(model))
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)

@@ -21,6 +21,8 @@ _EXPERT_NAME = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.")
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    graph_capturable = False  # routing reads the expert counts back
+
     @staticmethod
     def make_mlp(config: ModelConfig, layer_id: int, parallel: Parallel) -> nn.Module:
         return SparseMoeBlock(config, parallel, weights_in_float32=True)

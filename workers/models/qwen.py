@@ -47,6 +47,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention
+    graph_capturable = False  # routing reads the expert counts back
 
     @staticmethod
     def make_mlp(config: ModelConfig, layer_id: int, parallel: Parallel) -> nn.Module:

@@ -1,0 +1,152 @@
+"""The engine's GPU path, the parts of it that run on this CPU, and the rest where CUDA is visible.
+
+Here, on CPU tensors:
+- the Triton attention backend through the whole engine (its kernels interpreted): the default
+  model's batched greedy output, a cached prompt, a json_schema request and an abort equal the
+  fused CPU backend's;
+- the torch backend (flash-attn varlen or SDPA, and batched-matmul decode) likewise, on a tiny model;
+- the decode graphs' static buffers and padding, run without graphs: equal output, every bucket
+  replayed, the KV invariant kept although the padding rows write slot 0.
+
+With CUDA (load_tests/gpu_check.sh runs this module on a GPU): the engine on the GPU equals
+transformers in float32, CUDA graphs equal eager decode, the default model serves a json_schema
+request and an abort in bf16, and the pool is sized from the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.workers import Engine
+from radixserve.workers.executor.cuda_graphs import graph_buckets
+from tests.engine_utils import assert_kv_invariant, hf_greedy
+from tests.test_tp_engine import scenario
+from tests.tiny_models import make_tiny_checkpoint
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (load_tests/gpu_check.sh)")
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+PROMPTS = [
+    "Hello there",
+    "A somewhat longer prompt, of more tokens than a chunk of sixteen holds, to be chunked",
+    "x",
+    "Hello there, and more",  # shares a prefix with the first
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def _outputs(engine: Engine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    outs = [o["output_ids"] for o in engine.generate(prompts, params)]
+    assert_kv_invariant(engine)
+    return outs
+
+
+def _greedy(path, **kwargs) -> list[list[int]]:
+    engine = Engine(str(path), dtype="float32", max_total_tokens=2048, chunked_prefill_size=16, **kwargs)
+    try:
+        return _outputs(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_default_model_on_the_triton_backend_equals_the_cpu_backend():
+    common = dict(dtype="float32", max_total_tokens=4096, chunked_prefill_size=16)
+    results = {}
+    for backend in ("cpu", "triton"):
+        engine = Engine(attention_backend=backend, **common)
+        try:
+            assert engine.core.runner.model.backend.name == backend
+            results[backend] = scenario(engine)
+        finally:
+            engine.shutdown()
+    assert results["triton"] == results["cpu"]
+    assert results["cpu"]["cached"] and results["cpu"]["abort"] == "abort"
+
+
+def test_torch_backend_equals_the_cpu_backend(tiny):
+    assert _greedy(tiny, attention_backend="torch") == _greedy(tiny, attention_backend="cpu")
+
+
+def test_graph_buckets():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(6) == [1, 2, 4, 6]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_buffers_and_padding_without_graphs(tiny, backend):
+    """Batches of 1-4 sequences through buckets 1, 2, 4: three sequences pad one row, which
+    writes slot 0 and reads it; the output equals eager decode and the KV stays accounted for."""
+    ref = _greedy(tiny, attention_backend=backend)
+    engine = Engine(
+        str(tiny), dtype="float32", max_total_tokens=2048, chunked_prefill_size=16, attention_backend=backend
+    )
+    try:
+        graphs = engine.core.runner.capture_decode_graphs(4, eager=True)
+        assert graphs.buckets == [1, 2, 4]
+        assert _outputs(engine) == ref
+        assert _outputs(engine, PROMPTS[:3]) == ref[:3]  # 3 rows in bucket 4
+        assert _outputs(engine, PROMPTS[:1]) == ref[:1]
+        assert graphs.replayed >= 3 * (GREEDY["max_new_tokens"] - 1)
+    finally:
+        engine.shutdown()
+
+
+# On a GPU ---------------------------------------------------------------------------------------
+@needs_cuda
+def test_cuda_engine_equals_transformers_float32(tiny):
+    engine = Engine(str(tiny), device="cuda", dtype="float32", max_total_tokens=2048, chunked_prefill_size=16)
+    try:
+        core = engine.core
+        assert core.device.type == "cuda" and core.pool.k_buffers[0].is_cuda
+        assert core.overlap and core.runner.graphs is not None  # the CUDA defaults
+        assert core.runner.model.backend.name == "triton"
+        prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+        outs = [o["output_ids"] for o in engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)]
+        assert core.runner.graphs.replayed > 0
+        assert_kv_invariant(engine)
+    finally:
+        engine.shutdown()
+    assert outs == hf_greedy(str(tiny), prompt_ids, GREEDY["max_new_tokens"])
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_graphs_equal_eager_decode(backend):
+    """The default model in bf16: 1, 3 and 5 concurrent sequences (padded buckets 1, 4, 8)."""
+    results = {}
+    for graphs in (True, False):
+        engine = Engine(
+            device="cuda", attention_backend=backend, disable_cuda_graph=not graphs, max_total_tokens=100_000
+        )
+        try:
+            assert (engine.core.runner.graphs is not None) == graphs
+            prompts = [*PROMPTS, "Once upon a time"]
+            results[graphs] = [_outputs(engine, prompts[:n]) for n in (1, 3, 5)]
+        finally:
+            engine.shutdown()
+    assert results[True] == results[False]
+
+
+@needs_cuda
+def test_cuda_default_model_serves_json_and_aborts():
+    """The pool sized from the GPU's memory: 0.85 of it holds what is in use plus the KV."""
+    free, total = torch.cuda.mem_get_info()
+    engine = Engine(device="cuda", chunked_prefill_size=16)
+    try:
+        core = engine.core
+        per_token = (
+            core.pool.size
+            and sum(b.nbytes for b in core.pool.k_buffers + core.pool.v_buffers) / core.pool.size
+        )
+        assert core.pool.size * per_token <= 0.85 * total - (total - free)
+        assert core.pool.size * per_token > 0.5 * free  # most of the free memory holds KV
+        out = scenario(engine)
+        assert out["cached"] and out["abort"] == "abort" and out["json_finish"] == "stop"
+    finally:
+        engine.shutdown()
