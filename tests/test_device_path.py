@@ -60,7 +60,7 @@ def test_default_model_on_the_triton_backend_equals_the_cpu_backend():
     for backend in ("cpu", "triton"):
         engine = Engine(attention_backend=backend, **common)
         try:
-            assert engine.core.runner.model.backend.name == backend
+            assert engine.stats()["attention_backend"] == backend
             results[backend] = scenario(engine)
         finally:
             engine.shutdown()
@@ -93,6 +93,7 @@ def test_decode_buffers_and_padding_without_graphs(tiny, backend):
         assert _outputs(engine, PROMPTS[:3]) == ref[:3]  # 3 rows in bucket 4
         assert _outputs(engine, PROMPTS[:1]) == ref[:1]
         assert graphs.replayed >= 3 * (GREEDY["max_new_tokens"] - 1)
+        assert engine.stats()["cuda_graph_replays"] == graphs.replayed
     finally:
         engine.shutdown()
 
@@ -105,7 +106,7 @@ def test_cuda_engine_equals_transformers_float32(tiny):
         core = engine.core
         assert core.device.type == "cuda" and core.pool.k_buffers[0].is_cuda
         assert core.overlap and core.runner.graphs is not None  # the CUDA defaults
-        assert core.runner.model.backend.name == "triton"
+        assert engine.stats()["attention_backend"] == "triton" and engine.stats()["device"] == "cuda:0"
         prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
         outs = [o["output_ids"] for o in engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)]
         assert core.runner.graphs.replayed > 0

@@ -126,6 +126,7 @@ class EngineCore:
             )
         )
         self.scheduler = Scheduler(config, self.pool, self.req_pool, self.cache)
+        self.attention_backend = str(loaded.model.backend.name)
         self.runner = ModelRunner(self.tp.wrap(loaded.model), self.pool, self.req_pool, self.device)
         if self._use_cuda_graphs(loaded.model):
             self.runner.capture_decode_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
@@ -239,8 +240,12 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
         pd = self.handoff.stats() if self.handoff is not None else {}
+        graphs = self.runner.graphs
         return dict(
             role=self.config.role,
+            device=str(self.device),
+            attention_backend=self.attention_backend,
+            cuda_graph_replays=graphs.replayed if graphs is not None else 0,
             running=len(sched.running),
             queued=len(sched.waiting),
             kv_total=self.pool.size,

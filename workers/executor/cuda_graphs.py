@@ -50,13 +50,13 @@ class DecodeGraphs:
         self.model, self.pool = model, pool
         self.max_bs, self.max_context = max_bs, max_context
         self.buckets = graph_buckets(max_bs)
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_bs, **i64)
-        self.positions = torch.zeros(max_bs, **i64)
-        self.out_slots = torch.zeros(max_bs, **i64)  # slot 0: the pool's padding slot
-        self.seq_lens = torch.ones(max_bs, **i64)
-        self.kv_indices = torch.zeros(max_bs, max_context, **i64)
-        self.logits_indices = torch.arange(max_bs, **i64)
+        i64 = torch.int64
+        self.input_ids = torch.zeros(max_bs, dtype=i64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=i64, device=device)
+        self.out_slots = torch.zeros(max_bs, dtype=i64, device=device)  # slot 0: the pool's padding slot
+        self.seq_lens = torch.ones(max_bs, dtype=i64, device=device)
+        self.kv_indices = torch.zeros(max_bs, max_context, dtype=i64, device=device)
+        self.logits_indices = torch.arange(max_bs, dtype=i64, device=device)
         # bucket -> its replay: runs the forward over the static buffers, returns the logits
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
         self.graphs: list[torch.cuda.CUDAGraph] = []

@@ -111,6 +111,16 @@ class TPLeader:
         if dist.is_initialized():
             raise RuntimeError("this process holds a tensor-parallel group already (one per process)")
         launcher = launcher or LocalLauncher()
+        if (
+            device == "cuda"
+            and isinstance(launcher, LocalLauncher)
+            and torch.cuda.device_count() < config.tp_size
+        ):
+            # NCCL refuses two ranks on one GPU; local rank r takes GPU r.
+            raise ValueError(
+                f"tp_size {config.tp_size} on CUDA needs {config.tp_size} GPUs; this host sees "
+                f"{torch.cuda.device_count()}"
+            )
         threads = num_threads or launcher.threads_per_rank(config.tp_size)
         torch.set_num_threads(threads)  # rank 0's own forwards
         timeout = datetime.timedelta(seconds=START_TIMEOUT_S)

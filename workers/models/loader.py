@@ -65,7 +65,7 @@ _DTYPES = {
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module  # forward(batch, kv_pool) -> float32 logits [B, vocab]
+    model: LlamaForCausalLM  # or a subclass; forward(batch, kv_pool) -> float32 logits [B, vocab]
     config: ModelConfig
     tokenizer: Any  # transformers fast tokenizer with the model's chat template
     model_path: str  # resolved local directory
