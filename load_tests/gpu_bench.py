@@ -1,10 +1,13 @@
 """GPU figures for the Triton attention kernels in a Llama-3-8B-shaped forward (random bf16 weights
-drawn on the GPU; torch matmuls, Triton attention over a paged pool with scattered slots):
+drawn on the GPU; torch matmuls, Triton attention over a paged pool with scattered slots), and for
+the engine's own model of that shape on the GPU:
 
 - decode at batch 1: bytes a step must move (weights + KV) / step time, against the measured
   device-to-device copy bandwidth (and the spec-sheet figure where torch reports the memory bus);
 - prefill: matmul FLOPs / time (MFU) against a measured bf16 8192^3 matmul;
-- the attention kernels alone: decode GB/s at batch 32, extend TFLOP/s beside torch SDPA.
+- the attention kernels alone: decode GB/s at batch 32, extend TFLOP/s beside torch SDPA;
+- the engine's model (workers/models, what --device cuda serves): decode at batch 1 eager and from
+  its CUDA graph, the prefill, each beside the plain model's figures.
 
 Before timing, one decode step and one prefill are compared with plain torch attention over the
 same pool (relative L2 difference of the logits); a difference over --max-rel-diff fails the run.
@@ -30,9 +33,12 @@ from load_tests.gpu_model import (
     TINY,
     RandomLlama,
     Shape,
+    engine_batch,
+    engine_model,
     reference_attention,
     scattered_layout,
     step_inputs,
+    swapped_attention,
     triton_attention,
 )
 
@@ -176,6 +182,58 @@ def bench_attention_kernels(shape: Shape, args, device: torch.device, dtype: tor
     return out
 
 
+def bench_engine(shape: Shape, args, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The engine's own model on the device (what --device cuda serves): decode at batch 1 eagerly
+    and replayed from its CUDA graph (executor/cuda_graphs.py), and the prefill. Its logits are
+    checked against the torch attention backend's, and the graph's against eager decode."""
+    from radixserve.workers.executor.cuda_graphs import DecodeGraphs
+    from radixserve.workers.models.attention import TorchBackend
+
+    slots = max(args.context + 1, args.prefill_batch * (args.prefix + args.prefill_len))
+    model, pool = engine_model(shape, slots, device, dtype)
+    out: dict[str, Any] = {"backend": model.backend.name}
+    decode = engine_batch(scattered_layout(1, args.context, 1, slots, device))
+
+    def with_torch_attention(batch) -> torch.Tensor:
+        with swapped_attention(model, TorchBackend()):
+            return model(batch, pool)
+
+    eager = model(decode, pool)
+    out["decode_rel_diff"] = _rel_diff(eager, with_torch_attention(decode), args.max_rel_diff)
+    out["decode_eager_ms"] = timed(lambda: model(decode, pool), args.decode_steps, device) * 1e3
+    graphs = DecodeGraphs(model, pool, 1, args.context + 1, device)
+    if device.type == "cuda" and not args.no_cuda_graph:
+        graphs.capture()
+    else:  # the same buffers and replay path, without graphs
+        graphs.run_eagerly()
+    out["graph_rel_diff"] = _rel_diff(graphs.run(decode).clone(), eager, 1e-3)
+    if graphs.graphs:
+        out["decode_graph_ms"] = timed(lambda: graphs.run(decode), args.decode_steps, device) * 1e3
+    best_ms = min(out["decode_eager_ms"], out.get("decode_graph_ms", out["decode_eager_ms"]))
+    out["decode_GBps"] = (
+        shape.decode_bytes(1, args.context, pool.k_buffers[0].element_size()) / best_ms * 1e3 / 1e9
+    )
+    prefill = engine_batch(
+        scattered_layout(args.prefill_batch, args.prefix, args.prefill_len, slots, device, 1)
+    )
+    out["prefill_rel_diff"] = _rel_diff(
+        model(prefill, pool), with_torch_attention(prefill), args.max_rel_diff
+    )
+    seconds = timed(lambda: model(prefill, pool), 3 if args.dry_run else 5, device)
+    out["prefill_ms"] = seconds * 1e3
+    out["prefill_TFLOPs"] = (
+        shape.prefill_flops(args.prefill_batch, args.prefill_len, args.prefix) / seconds / 1e12
+    )
+    return out
+
+
+def _rel_diff(ours: torch.Tensor, ref: torch.Tensor, limit: float) -> float:
+    diff = ((ours - ref).norm() / ref.norm()).item()
+    if not (torch.isfinite(ours).all() and diff <= limit):
+        raise AssertionError(f"the engine's logits differ from the reference's by {diff:.3g} (limit {limit})")
+    return diff
+
+
 def report(figures: dict[str, Any]) -> str:
     peaks, dec, pre, ker = figures["peaks"], figures["decode"], figures["prefill"], figures["kernels"]
     copy_bw = peaks["copy_GBps"]
@@ -195,6 +253,20 @@ def report(figures: dict[str, Any]) -> str:
         f"Triton {ker['extend_TFLOPs']:.1f} TFLOP/s, SDPA {ker['sdpa_TFLOPs']:.1f} TFLOP/s",
         f"logits vs torch attention (rel. L2): decode {dec['rel_diff']:.2e}, prefill {pre['rel_diff']:.2e}",
     ]
+    eng = figures.get("engine")
+    if eng:
+        graph = eng.get("decode_graph_ms")
+        lines += [
+            f"engine ({eng['backend']} attention) decode batch 1: eager {eng['decode_eager_ms']:.2f} ms"
+            + (f", CUDA graph {graph:.2f} ms ({eng['decode_eager_ms'] / graph:.2f}x)" if graph else "")
+            + f" -> {eng['decode_GBps']:.0f} GB/s = {100 * eng['decode_GBps'] / copy_bw:.1f}% of copy bandwidth, "
+            f"{eng['decode_GBps'] / dec['GBps']:.2f}x the plain model's",
+            f"engine prefill: {eng['prefill_ms']:.1f} ms -> {eng['prefill_TFLOPs']:.1f} TFLOP/s = "
+            f"{100 * eng['prefill_TFLOPs'] / peaks['matmul_TFLOPs']:.1f}% MFU, "
+            f"{eng['prefill_TFLOPs'] / pre['TFLOPs']:.2f}x the plain model's",
+            f"engine logits vs its torch attention backend (rel. L2): decode {eng['decode_rel_diff']:.2e}, "
+            f"prefill {eng['prefill_rel_diff']:.2e}; CUDA graph vs eager {eng['graph_rel_diff']:.2e}",
+        ]
     return "\n".join(lines)
 
 
@@ -220,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["prefill"] = bench_prefill(model, args, device)
     del model
     figures["kernels"] = bench_attention_kernels(shape, args, device, dtype)
+    figures["engine"] = bench_engine(shape, args, device, dtype)
     print(report(figures))
     if args.json:
         with open(args.json, "w") as f:

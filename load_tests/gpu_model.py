@@ -5,8 +5,9 @@ traffic and arithmetic are those of the real model, and its FLOP and byte counts
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -202,3 +203,79 @@ def reference_attention(model: RandomLlama, layout: Layout) -> Attention:
         return out
 
     return attend
+
+
+def engine_model(
+    shape: Shape, num_slots: int, device, dtype=torch.bfloat16, backend: str = "triton", seed: int = 0
+):
+    """The engine's own model (workers/models, Llama architecture) of `shape` with random weights
+    drawn on `device`, and a KV pool of `num_slots` random slots: what `--device cuda` runs, without
+    a checkpoint. Returns (model, pool)."""
+    from radixserve.workers.mem_cache.kv_pool import KVPool
+    from radixserve.workers.models.config import ModelConfig
+    from radixserve.workers.models.loader import build_model
+
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": shape.vocab,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+    }
+    config = ModelConfig.from_hf(hf, dtype)
+    model = build_model(config, backend, device)
+    gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)  # norm weights (no biases in Llama)
+            else:
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+    pool = KVPool(shape.layers, shape.kv_heads, shape.head_dim, num_slots, dtype=dtype, device=device)
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.normal_(generator=gen)
+    return model, pool
+
+
+def engine_batch(layout: Layout):
+    """The ForwardBatch of `layout`'s new tokens, as the engine's model runner builds it."""
+    from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+
+    inputs = step_inputs(layout)
+    batch = layout.kv_indices.shape[0]
+    device = layout.kv_indices.device
+    lengths = layout.seq_lens.tolist()
+    return ForwardBatch(
+        mode=ForwardMode.DECODE if layout.new_tokens == 1 else ForwardMode.EXTEND,
+        input_ids=inputs["input_ids"],
+        positions=inputs["positions"],
+        out_slots=inputs["out_slots"],
+        seq_lens=layout.seq_lens,
+        extend_lens=torch.full((batch,), layout.new_tokens, dtype=torch.int64, device=device),
+        kv_indices=layout.kv_indices,
+        logits_indices=inputs["logits_rows"],
+        seq_lens_list=lengths,
+        extend_lens_list=[layout.new_tokens] * batch,
+    )
+
+
+@contextlib.contextmanager
+def swapped_attention(model, backend) -> Iterator[None]:
+    """The engine's `model` attends with `backend` for the duration (the model and each layer's
+    attention hold their backend)."""
+    holders = [model, *(layer.self_attn for layer in model.model.layers)]
+    old = model.backend
+    for holder in holders:
+        holder.backend = backend
+    try:
+        yield
+    finally:
+        for holder in holders:
+            holder.backend = old

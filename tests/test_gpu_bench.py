@@ -85,6 +85,11 @@ def test_bench_help_and_dry_run(tmp_path):
     assert figures["decode"]["bytes_per_step"] == TINY.decode_bytes(1, 40, elem=4)
     assert figures["decode"]["rel_diff"] < 1e-4 and figures["prefill"]["rel_diff"] < 1e-4
     assert figures["kernels"]["decode_GBps"] > 0 and figures["kernels"]["extend_TFLOPs"] > 0
+    engine = figures["engine"]  # the engine's own model, the decode graph's buffers run eagerly here
+    assert engine["backend"] == "triton" and "decode_graph_ms" not in engine
+    assert engine["decode_rel_diff"] < 1e-4 and engine["prefill_rel_diff"] < 1e-4
+    assert engine["graph_rel_diff"] == 0 and engine["decode_GBps"] > 0 and engine["prefill_TFLOPs"] > 0
+    assert "engine (triton attention) decode batch 1" in dry.stdout
 
 
 def test_check_script_without_a_gpu_checks_nothing_and_says_so():

@@ -24,7 +24,10 @@ class ModelRunner:
         """Capture the decode forward for batch sizes up to `max_bs` (CUDA); `eager`: the same
         static buffers and padding, run without graphs (any device)."""
         graphs = DecodeGraphs(self.model, self.pool, max_bs, self.req_pool.max_context, self.device)
-        graphs.run_eagerly() if eager else graphs.capture()
+        if eager:
+            graphs.run_eagerly()
+        else:
+            graphs.capture()
         self.graphs = graphs
         return graphs
 
