@@ -4,7 +4,8 @@ Here, on CPU tensors:
 - the Triton attention backend through the whole engine (its kernels interpreted): the default
   model's batched greedy output, a cached prompt, a json_schema request and an abort equal the
   fused CPU backend's;
-- the torch backend (flash-attn varlen or SDPA, and batched-matmul decode) likewise, on a tiny model;
+- the torch backend (flash-attn varlen or SDPA, and batched-matmul decode) likewise, on a tiny
+  model, and the Triton backend on every rank of a tp 2 engine;
 - the decode graphs' static buffers and padding, run without graphs: equal output, every bucket
   replayed, the KV invariant kept although the padding rows write slot 0.
 
@@ -70,6 +71,12 @@ def test_default_model_on_the_triton_backend_equals_the_cpu_backend():
 
 def test_torch_backend_equals_the_cpu_backend(tiny):
     assert _greedy(tiny, attention_backend="torch") == _greedy(tiny, attention_backend="cpu")
+
+
+def test_tp2_on_the_triton_backend_equals_tp1(tiny):
+    """Every rank builds the backend it is given: the followers attend with Triton too."""
+    ref = _greedy(tiny, attention_backend="cpu")
+    assert _greedy(tiny, attention_backend="triton", tp_size=2, num_threads=1) == ref
 
 
 def test_graph_buckets():

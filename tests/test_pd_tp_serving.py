@@ -1,8 +1,8 @@
-"""PD at tp_size 2 live, over gloo: one Ray instance and one Serve app for the module (ingress, a
-prefill and a decode replica of the default model, each a group of two ranks: 6 + 3 query heads,
-2 + 1 KV heads). Each rank sends its own heads to the same rank of the decode replica. Greedy
-output equals the unified tp_size 1 engine's; streaming, n and aborts work; both pools return to
-idle after each test."""
+"""PD at tp_size 2 live, over each transport (gloo, then the Ray object store): one Ray instance
+and one Serve app per transport (ingress, a prefill and a decode replica of the default model,
+each a group of two ranks: 6 + 3 query heads, 2 + 1 KV heads). Each rank sends its own heads to
+the same rank of the decode replica. Greedy output equals the unified tp_size 1 engine's;
+streaming, n and aborts work; both pools return to idle after each test."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def reference():
     return unified_reference([*PROMPTS, LONG])  # before Ray starts: the replicas get the CPUs to themselves
 
 
-@pytest.fixture(scope="module")
-def http(reference):
-    with running_app({**PD_ARGS, "kv_transfer": "gloo", "tp_size": 2}, num_cpus=4) as base:
+@pytest.fixture(scope="module", params=["gloo", "ray"])
+def http(request, reference):
+    with running_app({**PD_ARGS, "kv_transfer": request.param, "tp_size": 2}, num_cpus=4) as base:
         with httpx.Client(base_url=base, timeout=120) as c:
             yield c
 
