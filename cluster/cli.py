@@ -101,8 +101,13 @@ def serve_forever(args: ServerArgs) -> int:
         signal.signal(signal.SIGINT, _on_signal)
         signal.signal(signal.SIGTERM, _on_signal)
         started_ray = address is None
+        try:
+            app = build(args)  # checks the arguments against the cluster (its GPUs)
+        except ValueError as e:
+            print(f"radixserve serve: error: {e}", file=sys.stderr, flush=True)
+            return 2
         serve.start(http_options=args.http.serve_http_options())
-        serve.run(build(args), name=args.deployment.app_name, route_prefix="/")
+        serve.run(app, name=args.deployment.app_name, route_prefix="/")
         serving = True
         d = args.deployment
         layout = (

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 import yaml
 
 from load_tests import bench_serving
@@ -252,3 +253,33 @@ def test_serve_run_yaml_with_two_replicas_and_sigint(tmp_path):
             assert r["usage"]["completion_tokens"] == 4
     finally:
         stop(proc, signal.SIGINT)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_cli_device_cuda_without_gpus_is_a_clear_error():
+    """No GPU in the cluster it starts: one line names the problem, the exit code is 2, and no
+    process is left behind (it never deploys a replica that Ray could not place)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixserve.cluster.cli",
+            "serve",
+            "--device",
+            "cuda",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=180,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        "radixserve serve: error: --device cuda, but the Ray cluster has no GPU (ray status lists none): "
+        "start GPU nodes, or run with --device cpu" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
