@@ -63,13 +63,12 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
-    # On every op of the hot path: a plain loop, no generator.
-    if native_ops() is None:
-        return False
+    # On every op of the hot path: a plain loop, no generator. The device first: a GPU process
+    # never builds the extension.
     for t in tensors:
         if t.dtype not in _NATIVE_DTYPES or t.device.type != "cpu":
             return False
-    return True
+    return native_ops() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,13 +156,10 @@ GEMM_STRIP = 16  # output columns per packed strip (csrc/gemm.h)
 
 def gemm_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether linear layers of this dtype/device can run packed (bf16, AVX512-BF16 CPU)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
     ops = native_ops()
-    return (
-        dtype == torch.bfloat16
-        and torch.device(device).type == "cpu"
-        and ops is not None
-        and ops.gemm_available()
-    )
+    return ops is not None and ops.gemm_available()
 
 
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:

@@ -254,3 +254,20 @@ def test_a_resumed_request_replays_its_prefix_through_the_grammar(engine):
     req = GenerateRequest(list(ids), SamplingParams.from_dict(params), output_prefix=[bad])
     with pytest.raises(Exception, match="resuming from the tokens sent failed"):
         asyncio.run(engine._collect(req))
+
+
+def test_a_padded_lm_head_never_yields_a_token_past_the_vocabulary(tmp_path):
+    """A model whose LM head is padded past the tokenizer (as Qwen2's 151,936 columns for 151,665
+    tokens): a constrained request never samples a column past the tokenizer's vocabulary."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "qwen2", vocab_size=49152 + 128)
+    padded = Engine(path, dtype="float32", max_total_tokens=2048)
+    try:
+        params = {"max_new_tokens": 24, "temperature": 0, "regex": "[a-c]{3,8}"}
+        out = padded.generate("Three letters:", params)
+        assert re.fullmatch("[a-c]{3,8}", out["text"]), out
+        assert max(out["output_ids"]) < 49152
+        assert_kv_invariant(padded)
+    finally:
+        padded.shutdown()

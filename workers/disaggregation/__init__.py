@@ -61,6 +61,9 @@ def resolve_transport(kind: str, pool: KVPool) -> str:
         raise ValueError(f"--kv-transfer must be one of {', '.join(KV_TRANSFER_CHOICES)}, got {kind!r}")
     if kind == "auto":
         return "nccl" if pool.device.type == "cuda" else "gloo"
+    if kind == "gloo" and pool.device.type == "cuda":
+        # Gloo's send/recv read and write host memory: a GPU pool's pointers would go to the socket.
+        raise ValueError("--kv-transfer gloo moves CPU tensors; a GPU KV pool moves over nccl or ray")
     return kind
 
 

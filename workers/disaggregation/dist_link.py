@@ -31,6 +31,7 @@ from radixserve.workers.disaggregation.messages import (
     encode,
 )
 from radixserve.workers.disaggregation.spec import KVSpec, check_peer
+from radixserve.workers.distributed.group import nccl_errors_raise
 
 HELLO_QUEUE = "kv/hello"
 # Blocking store reads are woken by a frame, a heartbeat or STOP; the timeout is a backstop only.
@@ -62,6 +63,7 @@ def make_process_group(backend: str, store: dist.Store, rank: int, timeout: floa
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise KVTransferError("the nccl KV transport needs a CUDA build of torch with NCCL")
+        nccl_errors_raise()
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td
         return dist.ProcessGroupNCCL(store, rank, 2, opts)

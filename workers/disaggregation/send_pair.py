@@ -14,6 +14,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+import torch
+
 from radixserve.workers.disaggregation.config import KVTransferConfig
 from radixserve.workers.disaggregation.errors import (
     KVTransferError,
@@ -223,7 +225,7 @@ class SendPair:
                 if len(inflight) == SEND_WINDOW:  # the oldest buffer is the one to reuse
                     inflight.popleft()()
                 for event in op.ready:
-                    event.wait()
+                    event.wait(torch.cuda.current_stream(self._view.device))
                 payload = self._view.gather(op.handle.src, piece, staging[turn].payload(piece))
                 turn = (turn + 1) % SEND_WINDOW
                 self._stats.count(self.peer, bytes_sent=self._view.payload_bytes(piece), payloads_sent=1)

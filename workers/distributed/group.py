@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -35,6 +36,14 @@ class CommStats:
     def reset(self) -> None:
         self.calls.clear()
         self.seconds.clear()
+
+
+def nccl_errors_raise() -> None:
+    """Have a failed or timed-out NCCL operation raise in the thread that waits on it (communicators
+    aborted) rather than end the process: a lost rank or peer must fail its requests or its replica,
+    cleanly, as on Gloo. Read by torch when a NCCL group is created; a value set by the operator
+    stays."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 class CommGroup:
@@ -70,6 +79,8 @@ class CommGroup:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         if world_size == 1:
             return cls(0, 1, device=device)
+        if backend == "nccl":
+            nccl_errors_raise()
         dist.init_process_group(
             backend,
             store=dist.PrefixStore("radixserve", store),

@@ -188,10 +188,12 @@ class EngineCore:
 
     def _use_cuda_graphs(self, model: Any) -> bool:
         """CUDA graphs replay the decode forward of one rank: CUDA, tp_size 1, a model whose decode
-        reads nothing back to the host (not MoE routing), an attention backend that does neither."""
+        reads nothing back to the host (not MoE routing), and the Triton backend, which reads each
+        row only up to its length (the torch backend would gather the graph's whole width: every
+        row at the full context, every step)."""
         if self.device.type != "cuda" or self.config.disable_cuda_graph or self.config.tp_size > 1:
             return False
-        return getattr(model, "graph_capturable", False) and model.backend.name in ("triton", "torch")
+        return getattr(model, "graph_capturable", False) and model.backend.name == "triton"
 
     # Thread-safe helpers ---------------------------------------------------------------------
     def make_reqs(self, request: GenerateRequest) -> list[Req]:

@@ -140,8 +140,11 @@ class ForwardWorker:
                 rows[k] = _PLACEHOLDER
         return self.sampler.prepare(rows)
 
+    @torch.inference_mode()
     def run(self, job: ForwardJob) -> ForwardJob:
-        """The forward and the sampling. Raises if the forward fails (the whole batch fails)."""
+        """The forward and the sampling. Raises if the forward fails (the whole batch fails).
+        In inference mode: the logits are inference tensors, which the bitmask and the sampler
+        update in place."""
         t0 = time.perf_counter()
         for r in job.plan.reqs:
             self.check_fault("forward", r)

@@ -41,10 +41,13 @@ class KVPool:
         self.size = self.num_pages * page_size
         self.dtype = dtype
         self.device = torch.device(device)
-        # torch.empty: the OS maps pages lazily, so an oversized pool costs nothing until touched.
+        # On CPU torch.empty: the OS maps pages lazily, so an oversized pool costs nothing until
+        # touched. A GPU's caching allocator hands back recycled memory, which may hold NaNs that a
+        # masked attention weight (0 * NaN) would spread: zeros there.
         shape = (num_slots + page_size, num_kv_heads, head_dim)
-        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        self.k_buffers = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # Padding entries point at the dummy page and are masked out, but a masked NaN still
         # poisons `probs @ V` (0 * NaN): keep the dummy page finite.
         for buf in self.k_buffers + self.v_buffers:

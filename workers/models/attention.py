@@ -63,8 +63,8 @@ class TorchReferenceBackend(AttentionBackend):
             values = v_buf[slots].float().repeat_interleave(group, dim=1)
             queries = q[cu[i] : cu[i + 1]].float()  # [E, H, D]
             scores = torch.einsum("ehd,lhd->hel", queries, keys) * scale
-            query_pos = prefix + torch.arange(queries.shape[0]).unsqueeze(1)
-            key_pos = torch.arange(seq_len).unsqueeze(0)
+            query_pos = prefix + torch.arange(queries.shape[0], device=q.device).unsqueeze(1)
+            key_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
             scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[cu[i] : cu[i + 1]] = torch.einsum("hel,lhd->ehd", probs, values).to(q.dtype)
