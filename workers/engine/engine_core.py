@@ -190,8 +190,10 @@ class EngineCore:
         """CUDA graphs replay the decode forward of one rank: CUDA, tp_size 1, a model whose decode
         reads nothing back to the host (not MoE routing), and the Triton backend, which reads each
         row only up to its length (the torch backend would gather the graph's whole width: every
-        row at the full context, every step)."""
-        if self.device.type != "cuda" or self.config.disable_cuda_graph or self.config.tp_size > 1:
+        row at the full context, every step). A prefill replica decodes no more than a first token
+        per request: it captures none."""
+        c = self.config
+        if self.device.type != "cuda" or c.disable_cuda_graph or c.tp_size > 1 or c.role == "prefill":
             return False
         return getattr(model, "graph_capturable", False) and model.backend.name == "triton"
 
