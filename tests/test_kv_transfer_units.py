@@ -235,6 +235,15 @@ def test_transport_choice_and_config_checks():
     assert resolve_transport("ray", pool) == "ray"
     with pytest.raises(ValueError, match="--kv-transfer must be one of auto, gloo, nccl, ray, got 'rdma'"):
         resolve_transport("rdma", pool)
+    # A GPU pool (only its device is read): nccl by default, ray too, never gloo (host memory only).
+    gpu_pool = make_pool()
+    gpu_pool.device = torch.device("cuda", 0)
+    assert resolve_transport("auto", gpu_pool) == "nccl"
+    assert resolve_transport("ray", gpu_pool) == "ray"
+    with pytest.raises(
+        ValueError, match="--kv-transfer gloo moves CPU tensors; a GPU KV pool moves over nccl or ray"
+    ):
+        resolve_transport("gloo", gpu_pool)
     with pytest.raises(ValueError, match="peer_timeout must exceed two heartbeat intervals"):
         KVTransferConfig(heartbeat_interval=1, peer_timeout=2)
     with pytest.raises(ValueError, match="op_timeout must be > 0"):
