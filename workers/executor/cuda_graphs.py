@@ -12,11 +12,13 @@ least n and pads the rest:
 Entries of a row past its sequence length are left from earlier steps: any slot index is valid
 there, and attention never reads past a row's length.
 
-What a graph may capture: nothing may be read back to the host during the forward. The Triton
-and torch attention backends read nothing back, nor do the dense models; MoE routing does (its
-expert counts), so those models run eagerly. The model's host-side checks (the context length)
-run here before each replay, since a replay skips the Python. Graphs share one memory pool,
-captured largest first so the smaller ones fit in its blocks.
+What a graph may capture: nothing may be read back to the host during the forward. The dense
+models read nothing back; MoE routing does (its expert counts), so those models run eagerly. The
+engine captures with the Triton backend only, which reads each row up to its length; the torch
+backend reads nothing back either, but its decode gathers a row's whole width, which here is the
+whole context. The model's host-side check (the context length) is `fits` here, before each
+replay, since a replay skips the Python. Graphs share one memory pool, captured largest first so
+the smaller ones fit in its blocks.
 """
 
 from __future__ import annotations
@@ -116,9 +118,7 @@ class DecodeGraphs:
         replay)."""
         n = batch.batch_size
         bs = self.buckets[bisect.bisect_left(self.buckets, n)]
-        width = batch.kv_indices.shape[1]
-        if max(batch.seq_lens_list) > self.max_context:
-            raise ValueError(f"position {max(batch.seq_lens_list) - 1} is beyond the captured context")
+        width = batch.kv_indices.shape[1]  # max(seq_lens): within the captured width (`fits`)
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.out_slots[:n].copy_(batch.out_slots)
