@@ -76,16 +76,21 @@ def tp_placement(args: ServerArgs, rank: dict[str, float]) -> dict[str, Any]:
 
 
 def cluster_gpus() -> float | None:
-    """GPUs in the Ray cluster now, or None where Ray is not initialized here."""
-    if not ray.is_initialized():
-        return None
-    return float(ray.cluster_resources().get("GPU", 0.0))
+    """GPUs in the Ray cluster now. Where Ray is not initialized yet (`serve run module:builder`
+    builds the app before it starts or joins Ray), this machine's: a local Ray will have them;
+    None where this machine sees none, since a cluster joined later may still have some."""
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0.0))
+    import torch
+
+    return float(torch.cuda.device_count()) or None
 
 
 def with_engine_device(args: ServerArgs) -> ServerArgs:
     """`args` with the engines' device resolved for the cluster: auto is cuda where the cluster
     has GPUs, else cpu, so that every replica asks Ray for the same resources. --device cuda on a
-    cluster without GPUs is refused here: its replicas could never be placed."""
+    cluster without GPUs is refused here: its replicas could never be placed. (Unknown GPUs: auto
+    is cpu, cuda is taken as given.)"""
     device, gpus = args.engine.device, cluster_gpus()
     if device == "auto":
         device = "cuda" if gpus else "cpu"

@@ -4,6 +4,7 @@ the engine deployment's placement group (one bundle per rank) that Serve accepts
 from __future__ import annotations
 
 import pytest
+import torch
 
 from radixserve.cluster import app
 from radixserve.cluster.config import ServerArgs, parse_cli
@@ -53,8 +54,13 @@ def test_cuda_replicas_ask_ray_for_one_gpu_per_rank(monkeypatch):
 
     assert device_on(8.0, "auto").engine.device == "cuda"
     assert device_on(0.0, "auto").engine.device == "cpu"
-    assert device_on(None, "auto").engine.device == "cpu"  # no Ray here: nothing to place on GPUs
+    assert device_on(None, "auto").engine.device == "cpu"  # GPUs unknown: nothing to place on them
+    assert device_on(None, "cuda").engine.device == "cuda"  # taken as given
     assert device_on(8.0, "cpu").engine.device == "cpu"
+    monkeypatch.undo()
+    monkeypatch.setattr(app.ray, "is_initialized", lambda: False)
+    if not torch.cuda.is_available():  # before Ray is up, this machine's GPUs count (none here)
+        assert app.cluster_gpus() is None
     with pytest.raises(ValueError, match="--device cuda, but the Ray cluster has no GPU"):
         device_on(0.0, "cuda")
 
