@@ -105,10 +105,7 @@ def check_logits(model: RandomLlama, layout, limit: float) -> float:
     inputs = step_inputs(layout)
     ours = model.forward(**inputs, attention=triton_attention(model, layout))
     ref = model.forward(**inputs, attention=reference_attention(model, layout))
-    diff = ((ours - ref).norm() / ref.norm()).item()
-    if not (torch.isfinite(ours).all() and diff <= limit):
-        raise AssertionError(f"logits differ from torch attention's by {diff:.3g} (limit {limit})")
-    return diff
+    return _rel_diff(ours, ref, limit, "torch attention's")
 
 
 def bench_decode(model: RandomLlama, args, device: torch.device) -> dict[str, Any]:
@@ -199,14 +196,16 @@ def bench_engine(shape: Shape, args, device: torch.device, dtype: torch.dtype) -
             return model(batch, pool)
 
     eager = model(decode, pool)
-    out["decode_rel_diff"] = _rel_diff(eager, with_torch_attention(decode), args.max_rel_diff)
+    out["decode_rel_diff"] = _rel_diff(
+        eager, with_torch_attention(decode), args.max_rel_diff, "the torch backend's"
+    )
     out["decode_eager_ms"] = timed(lambda: model(decode, pool), args.decode_steps, device) * 1e3
     graphs = DecodeGraphs(model, pool, 1, args.context + 1, device)
     if device.type == "cuda" and not args.no_cuda_graph:
         graphs.capture()
     else:  # the same buffers and replay path, without graphs
         graphs.run_eagerly()
-    out["graph_rel_diff"] = _rel_diff(graphs.run(decode).clone(), eager, 1e-3)
+    out["graph_rel_diff"] = _rel_diff(graphs.run(decode).clone(), eager, 1e-3, "eager decode's")
     if graphs.graphs:
         out["decode_graph_ms"] = timed(lambda: graphs.run(decode), args.decode_steps, device) * 1e3
     best_ms = min(out["decode_eager_ms"], out.get("decode_graph_ms", out["decode_eager_ms"]))
@@ -217,7 +216,7 @@ def bench_engine(shape: Shape, args, device: torch.device, dtype: torch.dtype) -
         scattered_layout(args.prefill_batch, args.prefix, args.prefill_len, slots, device, 1)
     )
     out["prefill_rel_diff"] = _rel_diff(
-        model(prefill, pool), with_torch_attention(prefill), args.max_rel_diff
+        model(prefill, pool), with_torch_attention(prefill), args.max_rel_diff, "the torch backend's"
     )
     seconds = timed(lambda: model(prefill, pool), 3 if args.dry_run else 5, device)
     out["prefill_ms"] = seconds * 1e3
@@ -227,10 +226,11 @@ def bench_engine(shape: Shape, args, device: torch.device, dtype: torch.dtype) -
     return out
 
 
-def _rel_diff(ours: torch.Tensor, ref: torch.Tensor, limit: float) -> float:
+def _rel_diff(ours: torch.Tensor, ref: torch.Tensor, limit: float, what: str) -> float:
+    """Relative L2 difference of `ours` from `ref` (`what`, for the error), checked against `limit`."""
     diff = ((ours - ref).norm() / ref.norm()).item()
     if not (torch.isfinite(ours).all() and diff <= limit):
-        raise AssertionError(f"the engine's logits differ from the reference's by {diff:.3g} (limit {limit})")
+        raise AssertionError(f"logits differ from {what} by {diff:.3g} (limit {limit})")
     return diff
 
 
