@@ -46,9 +46,10 @@ def replica_options(args: ServerArgs, role: str = "unified") -> dict[str, Any]:
         request_router_kwargs=policy(),
     )
     if cpus is None:
-        # Room for the most replicas every pool may scale to, sharing the nodes.
+        # Room for the most replicas every pool may scale to, sharing the nodes: each pool's
+        # ranks, at the largest degree (the share per rank then fits every pool).
         most = sum(_most_replicas(args, r) for r in _roles(args))
-        cpus = replica_cpu_share(most, args.engine.tp_size)
+        cpus = replica_cpu_share(most, max(args.tp_of(r) for r in _roles(args)))
     gpu = {"GPU": 1} if args.engine.device == "cuda" else {}  # resolved by with_engine_device
     rank = {"CPU": cpus, **gpu}  # one rank's resources; rank 0 is the replica itself
     return {
@@ -57,16 +58,15 @@ def replica_options(args: ServerArgs, role: str = "unified") -> dict[str, Any]:
         "max_ongoing_requests": d.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": cpus, **({"num_gpus": 1} if gpu else {})},
         "request_router_config": router,
-        **tp_placement(args, rank),
+        **tp_placement(args, rank, args.tp_of(role)),
     }
 
 
-def tp_placement(args: ServerArgs, rank: dict[str, float]) -> dict[str, Any]:
+def tp_placement(args: ServerArgs, rank: dict[str, float], tp: int) -> dict[str, Any]:
     """A tensor-parallel replica is a placement group of one bundle per rank, each of a rank's
     resources (its CPUs, and its GPU on CUDA): Serve puts the replica (rank 0) in bundle 0, and
     the replica starts ranks 1..N-1 in the others (workers/rank_actor.py). Serve reserves the
     group with the replica and frees it with it. One engine per replica at tp_size 1: no group."""
-    tp = args.engine.tp_size
     if tp == 1:
         return {}
     return {
@@ -133,7 +133,7 @@ def replica_cpu_share(dp: int, tp: int = 1) -> float:
 
 def engine_deployment(args: ServerArgs, role: str) -> Any:
     """The bound engine deployment of `role`."""
-    config = dataclasses.replace(args.engine, role=role)
+    config = args.role_engine(role)
     # @serve.deployment turns the class into a Deployment, which mypy cannot see through.
     return EngineReplica.options(**replica_options(args, role)).bind(config)  # type: ignore[attr-defined]
 

@@ -22,7 +22,7 @@ from radixserve.workers.engine.config import ATTENTION_BACKENDS, DEVICES, SCHEDU
 from radixserve.workers.protocol import KV_TRANSFER_CHOICES, PD_ON_FAILURE
 
 # Engine fields the application builder sets per deployment; no user sets them.
-INTERNAL_FIELDS = frozenset({"role"})
+INTERNAL_FIELDS = frozenset({"role", "kv_peer_tp_size"})
 
 # --tp-placement -> the placement group strategy of a tensor-parallel replica's bundles.
 TP_PLACEMENTS = {"strict_pack": "STRICT_PACK", "pack": "PACK"}
@@ -53,6 +53,10 @@ class DeploymentConfig:
     decode_replicas: int = 1
     prefill_num_cpus: float | None = None  # Ray CPUs per replica; None: a node's share
     decode_num_cpus: float | None = None
+    # Each pool's tensor-parallel degree; None: --tp. They may differ (executor/tp_kv.py plans
+    # which ranks move which heads).
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
     pd_on_failure: str = "recompute"
     # PD: a prompt of at most this many tokens is prefilled on its decode replica instead (0: every
     # prompt goes through the prefill pool).
@@ -69,6 +73,10 @@ class DeploymentConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0")
+        for name in ("prefill_tp", "decode_tp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.pd_on_failure not in PD_ON_FAILURE:
             raise ValueError(f"pd_on_failure must be one of {PD_ON_FAILURE}, got {self.pd_on_failure!r}")
         if self.pd_local_prefill_tokens < 0:
@@ -183,7 +191,21 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         if self.deployment.pd:  # the engine's own rules for the roles the app builder will give it
-            dataclasses.replace(self.engine, role="prefill")
+            for role in ("prefill", "decode"):
+                self.role_engine(role)
+        elif self.deployment.prefill_tp or self.deployment.decode_tp:
+            raise ValueError("--prefill-tp and --decode-tp are PD settings (with --pd); use --tp")
+
+    def tp_of(self, role: str) -> int:
+        """The tensor-parallel degree of `role`'s replicas."""
+        d = self.deployment
+        per_role = {"prefill": d.prefill_tp, "decode": d.decode_tp}.get(role)
+        return per_role or self.engine.tp_size
+
+    def role_engine(self, role: str) -> EngineConfig:
+        """The engine config of `role`'s replicas: its degree, and for decode the prefill pool's."""
+        peer = self.tp_of("prefill") if role == "decode" else 0
+        return dataclasses.replace(self.engine, role=role, tp_size=self.tp_of(role), kv_peer_tp_size=peer)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None = None) -> ServerArgs:
@@ -340,6 +362,9 @@ HELP = {
     "decode_replicas": "PD: decode replicas",
     "prefill_num_cpus": "PD: Ray CPUs per prefill replica (default: a node's share)",
     "decode_num_cpus": "PD: Ray CPUs per decode replica (default: a node's share)",
+    "prefill_tp": "PD: tensor-parallel ranks per prefill replica (default: --tp); may differ from "
+    "the decode pool's: each decode rank takes each of its KV heads from one prefill rank",
+    "decode_tp": "PD: tensor-parallel ranks per decode replica (default: --tp)",
     "pd_on_failure": "PD: a decode side that fails after the prefill: recompute the rest on one "
     "replica, or end the request with an error",
     "pd_local_prefill_tokens": "PD: prompts of at most this many tokens are prefilled on their decode "

@@ -184,7 +184,7 @@ SPEC_MISMATCHES = [
     ("num_layers", {"layers": 5}, 5, 4),
     ("num_kv_heads", {"heads": 2}, 2, 3),
     ("head_dim", {"dim": 16}, 16, 8),
-    ("protocol_version", {"spec_overrides": {"protocol_version": 2}}, 2, 1),
+    ("protocol_version", {"spec_overrides": {"protocol_version": 1}}, 1, 2),
 ]
 
 

@@ -51,8 +51,16 @@ def make_pool(dtype=torch.bfloat16, page_size=1, layers=3, slots=64, seed=0):
 
 def test_spec_describes_the_pool_and_validates():
     spec = KVSpec.for_pool(make_pool(page_size=4), "smollm2", "abc", "gloo")
-    assert spec == KVSpec("smollm2", "abc", "bfloat16", 4, 3, 2, 4, "gloo", 1)
+    assert spec == KVSpec("smollm2", "abc", "bfloat16", 4, 3, 2, 4, "gloo", 2, 0, 2)
     assert KVSpec.from_dict(spec.to_dict()) == spec
+    # A tensor-parallel rank's pool: heads [1, 3) of the model's 4.
+    rank = KVSpec.for_pool(make_pool(), "smollm2", "abc", "gloo", (1, 3, 4))
+    assert (rank.num_kv_heads, rank.kv_heads) == (4, (1, 3))
+    check_peer(spec.__class__(**{**rank.to_dict(), "kv_head_begin": 0, "kv_head_end": 2}), rank, "a", "b")
+    with pytest.raises(ValueError, match=r"KV heads \[1, 2\) for a pool of 2 heads"):
+        KVSpec.for_pool(make_pool(), "smollm2", "abc", "gloo", (1, 2, 4))
+    with pytest.raises(ValueError, match=r"KV heads \[3, 5\) are not within the model's 4"):
+        dataclasses.replace(rank, kv_head_begin=3, kv_head_end=5)
     with pytest.raises(ValueError, match="unknown KV transport 'tcp'"):
         dataclasses.replace(spec, transport="tcp")
     with pytest.raises(ValueError, match="KVSpec.page_size must be a positive integer, got 0"):
@@ -160,6 +168,9 @@ def test_split_cuts_whole_layers_then_token_ranges():
     assert list(view.split(Piece(0, 1, 0, 3), 1)) == [Piece(0, 1, 0, 1), Piece(0, 1, 1, 2), Piece(0, 1, 2, 3)]
 
 
+ALL_HEADS = (0, 2)  # make_pool's: a handle's pieces name the heads they move
+
+
 def make_handle(num_tokens=10, layers=3, max_bytes=1 << 20):
     pool = make_pool(layers=layers)
     view = PoolView(pool)
@@ -182,9 +193,9 @@ def test_send_order_per_layer_and_send_all_sends_the_rest():
     handle.finish()
     pieces = [(o.frame.kind, o.piece) for o in ops]
     assert pieces == [
-        (FrameKind.DATA, Piece(0, 3, 0, 4)),
-        (FrameKind.DATA, Piece(0, 1, 4, 10)),
-        (FrameKind.DATA, Piece(1, 3, 4, 10)),
+        (FrameKind.DATA, Piece(0, 3, 0, 4, *ALL_HEADS)),
+        (FrameKind.DATA, Piece(0, 1, 4, 10, *ALL_HEADS)),
+        (FrameKind.DATA, Piece(1, 3, 4, 10, *ALL_HEADS)),
         (FrameKind.END, None),
     ]
     with pytest.raises(ValueError, match="send_layers after finish"):
@@ -201,18 +212,18 @@ def test_coalesce_merges_the_next_layers_of_the_same_tokens_up_to_the_size_limit
     handle.send_layers(0, 1, 4, 10)  # the next chunk: other tokens, never merged with the first
     other.send_layers(0, 3)
     view = handle.view
-    layer_bytes = view.payload_bytes(Piece(0, 1, 0, 4))
+    layer_bytes = view.payload_bytes(Piece(0, 1, 0, 4, *ALL_HEADS))
 
     def take_from(queued):
         it = iter(queued)
         return lambda: next(it, NOTHING)
 
     merged, rest = coalesce(ops[0], take_from(ops[1:]), view, 1 << 20)
-    assert merged.piece == Piece(0, 3, 0, 4) and rest is ops[3]
+    assert merged.piece == Piece(0, 3, 0, 4, *ALL_HEADS) and rest is ops[3]
     assert (merged.frame.kind, merged.frame.layer_begin, merged.frame.layer_end) == (FrameKind.DATA, 0, 3)
     assert (merged.frame.token_begin, merged.frame.token_end) == (0, 4)
     merged, rest = coalesce(ops[0], take_from(ops[1:]), view, 2 * layer_bytes)
-    assert merged.piece == Piece(0, 2, 0, 4) and rest is ops[2]
+    assert merged.piece == Piece(0, 2, 0, 4, *ALL_HEADS) and rest is ops[2]
     merged, rest = coalesce(ops[2], take_from([other_ops[0]]), view, 1 << 20)
     assert merged is ops[2] and rest is other_ops[0]
     merged, rest = coalesce(ops[3], take_from([]), view, 1 << 20)

@@ -45,6 +45,8 @@ def test_pd_flags_are_config_fields():
         ["--role", "prefill"],
         ["--prefill-replicas", "0"],
         ["--pd-local-prefill-tokens", "-1"],
+        ["--pd", "--prefill-tp", "0"],
+        ["--prefill-tp", "2"],  # a PD setting: --tp without --pd
     ],
 )
 def test_bad_pd_flags_are_refused(argv, capsys):
@@ -55,6 +57,8 @@ def test_bad_pd_flags_are_refused(argv, capsys):
 def test_role_is_not_a_user_setting():
     with pytest.raises(ValueError, match="unknown server argument"):
         ServerArgs.from_dict({"role": "decode"})
+    with pytest.raises(ValueError, match="unknown server argument"):
+        ServerArgs.from_dict({"kv_peer_tp_size": 2})  # set from --prefill-tp
 
 
 def test_each_pool_gets_its_name_replicas_cpus_and_policy():
@@ -85,3 +89,20 @@ def test_pd_with_tensor_parallel_replicas_gives_both_pools_a_group_per_replica()
         options = replica_options(args, role)
         assert options["placement_group_bundles"] == [{"CPU": cpus}] * 3
         assert options["placement_group_strategy"] == "STRICT_PACK"
+
+
+def test_each_pool_takes_its_own_degree():
+    """--prefill-tp and --decode-tp: a placement group per replica at the pool's own degree, and
+    the decode engines plan their receives for the prefill pool's."""
+    args = parse_cli(["--pd", "--prefill-tp", "3", "--decode-tp", "1", "--prefill-num-cpus", "1"])
+    assert (args.tp_of("prefill"), args.tp_of("decode"), args.tp_of("unified")) == (3, 1, 1)
+    prefill, decode = args.role_engine("prefill"), args.role_engine("decode")
+    assert (prefill.role, prefill.tp_size, prefill.kv_peer_tp_size) == ("prefill", 3, 0)
+    assert (decode.role, decode.tp_size, decode.kv_peer_tp_size) == ("decode", 1, 3)
+    options = replica_options(args, "prefill")
+    assert options["placement_group_bundles"] == [{"CPU": 1}] * 3
+    assert "placement_group_bundles" not in replica_options(args, "decode")
+    assert ServerArgs.from_dict(args.to_dict()) == args
+    # One of them set: the other pool keeps --tp.
+    args = ServerArgs.from_dict({"pd": True, "tp": 3, "decode_tp": 1})
+    assert (args.tp_of("prefill"), args.role_engine("decode").kv_peer_tp_size) == (3, 3)

@@ -1,6 +1,6 @@
 """PD with tensor parallelism at the engine level, without Ray: a prefill and a decode engine at
 tp_size 2 (two ranks each, local processes), every rank moving its own KV heads to the same rank
-of the other replica over loopback gloo, driven as the ingress drives them; against a unified
+of the other replica over loopback gloo (replicas of different degrees: test_pd_tp_degrees.py), driven as the ingress drives them; against a unified
 engine at tp_size 1. One process holds one tensor-parallel group, so the prefill engine runs in a
 process of its own (load_tests/engine_process.py).
 
@@ -190,8 +190,9 @@ def test_one_ranks_part_failing_fails_the_request_on_both_sides(engines):
     assert prefill.call(pd_failed_total) >= 1
 
 
-def test_replicas_of_unequal_degrees_are_refused_up_front(engines, checkpoint):
-    """KV moves rank r to rank r: a tp_size 1 decode replica's ticket is refused by a tp_size 2
+def test_a_prefill_replica_of_another_degree_than_planned_for_is_refused_up_front(engines, checkpoint):
+    """A decode replica plans its receives for one prefill degree (its own unless configured,
+    tests/test_pd_tp_degrees.py): a tp_size 1 decode replica's ticket is refused by a tp_size 2
     prefill replica (and the other way round), with both degrees named."""
     _, prefill, decode, _ = engines
     single = Engine(checkpoint, role="decode", **ARGS)
@@ -202,7 +203,7 @@ def test_replicas_of_unequal_degrees_are_refused_up_front(engines, checkpoint):
         stream, done = single.reserve(req)
         tickets = await asyncio.wrap_future(done)
         with pytest.raises(
-            RuntimeError, match="decode replica runs tp_size 1 and this prefill replica tp_size 2"
+            RuntimeError, match="expects KV from prefill replicas of tp_size 1, this one runs tp_size 2"
         ):
             await asyncio.to_thread(prefill.generate, dataclasses.replace(req, kv_tickets=tickets))
         single.abort(req.rid)
@@ -212,7 +213,7 @@ def test_replicas_of_unequal_degrees_are_refused_up_front(engines, checkpoint):
         stream, done = decode.reserve(req2)
         tickets = await asyncio.wrap_future(done)
         with pytest.raises(
-            InvalidRequest, match="decode replica runs tp_size 2 and this prefill replica tp_size 1"
+            InvalidRequest, match="expects KV from prefill replicas of tp_size 2, this one runs tp_size 1"
         ):
             single_prefill.core.make_reqs(dataclasses.replace(req2, kv_tickets=tickets))
         decode.abort(req2.rid)

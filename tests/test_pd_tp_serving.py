@@ -1,8 +1,11 @@
-"""PD at tp_size 2 live, over each transport (gloo, then the Ray object store): one Ray instance
-and one Serve app per transport (ingress, a prefill and a decode replica of the default model,
-each a group of two ranks: 6 + 3 query heads, 2 + 1 KV heads). Each rank sends its own heads to
-the same rank of the decode replica. Greedy output equals the unified tp_size 1 engine's;
-streaming, n and aborts work; both pools return to idle after each test."""
+"""PD with tensor-parallel replicas live: one Ray instance and one Serve app per layout (ingress, a
+prefill and a decode replica of the default model):
+- gloo, both pools at tp 2 (6 + 3 query heads, 2 + 1 KV heads per rank): each rank sends its own
+  heads to the same rank of the decode replica;
+- the Ray object store, a tp-1 prefill replica into a tp-2 decode replica (--prefill-tp 1
+  --decode-tp 2): the prefill rank sends KV heads [0, 2) to decode rank 0 and [2, 3) to rank 1.
+Greedy output equals the unified tp_size 1 engine's; streaming, n and aborts work; both pools
+return to idle after each test."""
 
 from __future__ import annotations
 
@@ -27,9 +30,15 @@ def reference():
     return unified_reference([*PROMPTS, LONG])  # before Ray starts: the replicas get the CPUs to themselves
 
 
-@pytest.fixture(scope="module", params=["gloo", "ray"])
+LAYOUTS = {
+    "gloo-tp2": {"kv_transfer": "gloo", "tp_size": 2},
+    "ray-tp1-into-tp2": {"kv_transfer": "ray", "prefill_tp": 1, "decode_tp": 2},
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def http(request, reference):
-    with running_app({**PD_ARGS, "kv_transfer": request.param, "tp_size": 2}, num_cpus=4) as base:
+    with running_app({**PD_ARGS, **LAYOUTS[request.param]}, num_cpus=4) as base:
         with httpx.Client(base_url=base, timeout=120) as c:
             yield c
 

@@ -8,9 +8,10 @@ layer while it computes or all at once after. The decode replica's future resolv
 page is in place; it then inserts the prefix into its radix tree, so a conversation's next turn
 moves only the new pages.
 
-A tensor-parallel replica runs one engine per rank over that rank's pool (its own KV heads), and
-rank r sends to rank r of a peer of the same degree (workers/executor/tp_kv.py); a ticket
-carries every rank's endpoint.
+A tensor-parallel replica runs one engine per rank over that rank's pool (its own KV heads); a
+ticket carries every rank's endpoint. Between replicas of one degree rank r sends all its heads
+to rank r; between degrees, each receiving rank gets each of its heads from one sending rank
+that holds it, a transfer per (sender rank, receiver rank) pair (workers/executor/tp_kv.py).
 
 Transports (`--kv-transfer auto|gloo|nccl|ray`; auto = nccl for CUDA pools, gloo for CPU):
   gloo / nccl  one 2-rank torch.distributed process group per (sender, receiver) pair, built
@@ -74,10 +75,12 @@ def create_kv_transfer_engine(
     served_model_name: str,
     fingerprint: str,
     config: KVTransferConfig | None = None,
+    kv_heads: tuple[int, int, int] | None = None,
 ) -> KVTransferEngine:
-    """The engine for `--kv-transfer kind` over `pool`, for one replica."""
+    """The engine for `--kv-transfer kind` over `pool`, for one replica (or one rank of it: the
+    pool holds the model's KV heads kv_heads = (begin, end, the model's))."""
     transport = resolve_transport(kind, pool)
-    spec = KVSpec.for_pool(pool, served_model_name, fingerprint, transport)
+    spec = KVSpec.for_pool(pool, served_model_name, fingerprint, transport, kv_heads)
     if transport == "ray":
         from radixserve.workers.disaggregation.ray_transport import RayTransferEngine
 

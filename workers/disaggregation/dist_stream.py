@@ -19,10 +19,6 @@ from radixserve.workers.disaggregation.messages import Frame, FrameKind, decode
 from radixserve.workers.disaggregation.packing import Piece, PoolView, StagingBuffer
 
 
-def piece_of(frame: Frame) -> Piece:
-    return Piece(frame.layer_begin, frame.layer_end, frame.token_begin, frame.token_end)
-
-
 class FrameStream:
     def __init__(self, store: Any, queue_key: str, pg: Any, view: PoolView, op_timeout: float):
         self._store = store
@@ -64,7 +60,7 @@ class FrameStream:
             self._ahead = decode(self._store.queue_pop(self._key, False))
         except dist.QueueEmptyError:
             return
-        piece = piece_of(self._ahead)
+        piece = self._ahead.piece()
         if self._ahead.kind == FrameKind.DATA and piece.num_layers > 0 and piece.num_tokens > 0:
             buf = self._buffer(piece)
             self._posted = (self._ahead.seq, self._post(self._ahead.seq, buf), buf)

@@ -36,7 +36,7 @@ from radixserve.workers.mem_cache.kv_pool import KVPool
 logger = logging.getLogger(__name__)
 
 # The spec fields a pool determines; the rest (model identity, transport) are the caller's.
-POOL_FIELDS = ("dtype", "page_size", "num_layers", "num_kv_heads", "head_dim")
+POOL_FIELDS = ("dtype", "page_size", "num_layers", "head_dim")
 
 
 class KVTransferEngine(ABC):
@@ -57,7 +57,8 @@ class KVTransferEngine(ABC):
     def __init__(self, pool: KVPool, spec: KVSpec, replica_id: str, config: KVTransferConfig | None = None):
         if spec.transport != self.transport:
             raise ValueError(f"a {self.transport} engine got a spec for transport {spec.transport!r}")
-        pool_spec = KVSpec.for_pool(pool, spec.served_model_name, spec.fingerprint, spec.transport)
+        kv_heads = (*spec.kv_heads, spec.num_kv_heads)
+        pool_spec = KVSpec.for_pool(pool, spec.served_model_name, spec.fingerprint, spec.transport, kv_heads)
         for name in POOL_FIELDS:
             if getattr(pool_spec, name) != getattr(spec, name):
                 raise ValueError(
@@ -67,7 +68,7 @@ class KVTransferEngine(ABC):
         self.spec = spec
         self.replica_id = replica_id
         self.config = config or KVTransferConfig()
-        self.view = PoolView(pool)
+        self.view = PoolView(pool, spec.kv_heads)
         self.stats = TransferStats()
         self._sender = KVSender(self.view, self.stats, self.config, self._open_link)
         self._receiver = KVReceiver(self.view, self.stats, self.config)
@@ -92,23 +93,32 @@ class KVTransferEngine(ABC):
             return self._endpoint
 
     def expect(
-        self, transfer_id: str, dst_slots, held_tokens: int = 0, timeout: float | None = None
+        self,
+        transfer_id: str,
+        dst_slots,
+        held_tokens: int = 0,
+        timeout: float | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> RecvHandle:
         """Register a transfer into `dst_slots` (allocated already, in token order) of the tokens
-        after the `held_tokens` this replica already holds. The handle's `ticket` is what the
-        sender needs; its future resolves when every page is in the slots, or fails (deadline:
-        `timeout`, default config.transfer_timeout)."""
-        return self._receiver.expect(transfer_id, self.endpoint(), dst_slots, held_tokens, timeout)
+        after the `held_tokens` this replica already holds: the model's KV heads `heads` (default:
+        every head of this pool). The handle's `ticket` is what the sender needs; its future
+        resolves when every page is in the slots, or fails (deadline: `timeout`, default
+        config.transfer_timeout)."""
+        return self._receiver.expect(transfer_id, self.endpoint(), dst_slots, held_tokens, timeout, heads)
 
     # -- sending side --------------------------------------------------------------------------
 
-    def send(self, ticket: KVTicket, src_slots, timeout: float | None = None) -> SendHandle:
-        """Start sending `src_slots` (this replica's slots for the ticket's tokens, in order)."""
+    def send(
+        self, ticket: KVTicket, src_slots, timeout: float | None = None, heads: tuple[int, int] | None = None
+    ) -> SendHandle:
+        """Start sending `src_slots` (this replica's slots for the ticket's tokens, in order): the
+        model's KV heads `heads` (default: every head of this pool)."""
         if ticket.endpoint.transport != self.transport:
             raise KVTransferError(
                 f"transfer {ticket.transfer_id!r}: the receiver uses {ticket.endpoint.transport!r}, this replica {self.transport!r}"
             )
-        return self._sender.send(ticket, src_slots, timeout)
+        return self._sender.send(ticket, src_slots, timeout, heads)
 
     # -- both ----------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.workers.disaggregation.packing import Piece
 from radixserve.workers.disaggregation.spec import KVSpec
 
 
@@ -48,8 +49,9 @@ class KVTicket:
     issued. Valid until the receiver's deadline for it passes.
 
     A tensor-parallel receiver's KV is spread over its ranks' pools (each its own heads, at the
-    same slots): `endpoint` is rank 0's, `rank_endpoints` ranks 1..N-1's, and rank r of the sender
-    (of the same degree) sends its heads to rank r (`for_rank`).
+    same slots): `endpoint` is rank 0's, `rank_endpoints` ranks 1..N-1's (`for_rank`). The
+    receiver expects its KV from a sender of `sender_tp_size` ranks (0: of its own degree), each
+    moving the heads the plan of executor/tp_kv.py gives it.
     """
 
     transfer_id: str
@@ -57,11 +59,17 @@ class KVTicket:
     dst_slots: tuple[int, ...]
     held_tokens: int = 0
     rank_endpoints: tuple[KVEndpoint, ...] = ()
+    sender_tp_size: int = 0
 
     @property
     def tp_size(self) -> int:
         """The receiving replica's tensor-parallel degree."""
         return 1 + len(self.rank_endpoints)
+
+    @property
+    def sender_tp(self) -> int:
+        """The sending replica's degree the receiver planned its parts for."""
+        return self.sender_tp_size or self.tp_size
 
     def for_rank(self, rank: int) -> KVTicket:
         """The ticket rank `rank` of the sender uses: the same transfer, into its peer rank."""
@@ -79,6 +87,8 @@ class KVTicket:
         }
         if self.rank_endpoints:
             d["rank_endpoints"] = [e.to_dict() for e in self.rank_endpoints]
+        if self.sender_tp_size:
+            d["sender_tp_size"] = self.sender_tp_size
         return d
 
     @classmethod
@@ -89,12 +99,13 @@ class KVTicket:
             dst_slots=tuple(int(s) for s in d["dst_slots"]),
             held_tokens=int(d.get("held_tokens", 0)),
             rank_endpoints=tuple(KVEndpoint.from_dict(e) for e in d.get("rank_endpoints", ())),
+            sender_tp_size=int(d.get("sender_tp_size", 0)),
         )
 
 
 class FrameKind(enum.StrEnum):
     BEGIN = "begin"  # a transfer starts: its token count and the digest of the receiver's slots
-    DATA = "data"  # one payload follows: layers [layer_begin, layer_end) x tokens [token_begin, token_end)
+    DATA = "data"  # one payload follows: layers [layer_begin, layer_end) x tokens [token_begin, token_end) x heads
     END = "end"  # every payload was sent: the receiver checks coverage and acknowledges
     ABORT = "abort"  # the sender gave up on the transfer (`error` says why)
     ACK = "ack"  # receiver -> sender: the transfer completed (`error` empty) or failed
@@ -115,6 +126,9 @@ class Frame:
     layer_end: int = 0
     token_begin: int = 0
     token_end: int = 0
+    # BEGIN and DATA: the model's KV heads [head_begin, head_end) the transfer moves
+    head_begin: int = 0
+    head_end: int = 0
     num_tokens: int = 0
     held_tokens: int = 0
     slots_digest: str = ""
@@ -122,6 +136,12 @@ class Frame:
     # END only: what the receiver needs besides the KV to continue the request (the first sampled
     # token, ...), small JSON values; the receiver's future resolves with it.
     aux: dict[str, Any] | None = None
+
+    def piece(self) -> Piece:
+        """A DATA frame's extent."""
+        return Piece(
+            self.layer_begin, self.layer_end, self.token_begin, self.token_end, self.head_begin, self.head_end
+        )
 
     @property
     def ordered(self) -> bool:

@@ -68,14 +68,22 @@ class KVReceiver:
         self._dropped: OrderedDict[str, KVTransferError] = OrderedDict()  # recent, by key
 
     def expect(
-        self, transfer_id: str, endpoint: KVEndpoint, dst_slots, held_tokens: int, timeout: float | None
+        self,
+        transfer_id: str,
+        endpoint: KVEndpoint,
+        dst_slots,
+        held_tokens: int,
+        timeout: float | None,
+        heads: tuple[int, int] | None = None,
     ) -> RecvHandle:
         dst = self._view.slot_index(dst_slots)
         if held_tokens < 0:
             raise ValueError("held_tokens must be >= 0")
+        heads = heads or self._view.kv_heads
+        self._view.check_heads(heads)
         ticket = KVTicket(transfer_id, endpoint, tuple(dst.tolist()), held_tokens)
         deadline = time.monotonic() + (self._config.transfer_timeout if timeout is None else timeout)
-        handle = RecvHandle(ticket, dst, self._view, deadline)
+        handle = RecvHandle(ticket, dst, self._view, deadline, heads)
         with self._lock:
             if transfer_id in self._expected:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
@@ -207,8 +215,8 @@ class KVReceiver:
             self._refuse(conn, frame.transfer_id, problem, handle if handle.peer_key is None else None)
 
     def _on_data(self, conn: Connection, frame: Frame, read_payload: Callable[[Piece], torch.Tensor]) -> None:
-        piece = Piece(frame.layer_begin, frame.layer_end, frame.token_begin, frame.token_end)
-        if piece.num_layers < 1 or piece.num_tokens < 1:
+        piece = frame.piece()
+        if piece.num_layers < 1 or piece.num_tokens < 1 or piece.head_end < piece.head_begin:
             raise ProtocolError(f"prefill replica {conn.peer!r}: empty payload {piece}")
         conn.busy = True
         try:
@@ -233,7 +241,7 @@ class KVReceiver:
         if problem:
             self._refuse(conn, frame.transfer_id, problem, handle)
             return
-        saved = handle.ticket.held_tokens * self._view.num_layers * self._view.token_layer_bytes
+        saved = handle.ticket.held_tokens * self._view.num_layers * handle.token_layer_bytes
         self._stats.count(conn.peer, transfers_received=1, bytes_saved=saved)
         conn.ack(Frame(FrameKind.ACK, frame.transfer_id))
 

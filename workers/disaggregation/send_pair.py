@@ -26,7 +26,7 @@ from radixserve.workers.disaggregation.errors import (
 )
 from radixserve.workers.disaggregation.link import SendLink
 from radixserve.workers.disaggregation.messages import Frame, FrameKind, KVEndpoint
-from radixserve.workers.disaggregation.packing import Piece, PoolView, StagingBuffer
+from radixserve.workers.disaggregation.packing import PoolView, StagingBuffer
 from radixserve.workers.disaggregation.stats import TransferStats
 from radixserve.workers.disaggregation.transfer import SendHandle, SendOp
 
@@ -135,7 +135,7 @@ class SendPair:
         if not handle.settle(error):
             return False
         if error is None:
-            saved = handle.ticket.held_tokens * self._view.num_layers * self._view.token_layer_bytes
+            saved = handle.ticket.held_tokens * self._view.num_layers * handle.token_layer_bytes
             self._stats.count(self.peer, transfers_sent=1, bytes_saved=saved)
         else:
             self._stats.count(self.peer, transfers_failed=1)
@@ -271,7 +271,7 @@ def coalesce(op: SendOp, take: Callable[[], object], view: PoolView, max_bytes: 
             break
         if view.payload_bytes(piece) + view.payload_bytes(p) > max_bytes:
             break
-        piece = Piece(piece.layer_begin, p.layer_end, piece.token_begin, piece.token_end)
+        piece = dataclasses.replace(piece, layer_end=p.layer_end)
         ready += nxt.ready
     if piece == op.piece:
         return op, nxt

@@ -34,10 +34,15 @@ class KVSender:
         self._lock = threading.Lock()
         self._closed = False
 
-    def send(self, ticket: KVTicket, src_slots, timeout: float | None = None) -> SendHandle:
+    def send(
+        self, ticket: KVTicket, src_slots, timeout: float | None = None, heads: tuple[int, int] | None = None
+    ) -> SendHandle:
         """Start a transfer of `src_slots` (this replica's slots, in token order) into the ticket's
-        `dst_slots`. The pair to the ticket's receiver is built on first use."""
+        `dst_slots`: the model's KV heads `heads` (default: every head of this pool). The pair to
+        the ticket's receiver is built on first use."""
         src = self._view.slot_index(src_slots)
+        heads = heads or self._view.kv_heads
+        self._view.check_heads(heads)
         if src.numel() != len(ticket.dst_slots):
             raise ValueError(
                 f"transfer {ticket.transfer_id!r}: {src.numel()} source slots for {len(ticket.dst_slots)} destination slots"
@@ -48,7 +53,14 @@ class KVSender:
         pair = self._pair(ticket.endpoint)
         deadline = time.monotonic() + (self._config.transfer_timeout if timeout is None else timeout)
         handle = SendHandle(
-            ticket, src, self._view, pair.submit, pair.abandon, self._config.max_message_bytes, deadline
+            ticket,
+            src,
+            self._view,
+            pair.submit,
+            pair.abandon,
+            self._config.max_message_bytes,
+            deadline,
+            heads,
         )
         begin = Frame(
             FrameKind.BEGIN,
@@ -56,6 +68,8 @@ class KVSender:
             num_tokens=src.numel(),
             held_tokens=ticket.held_tokens,
             slots_digest=slots_digest(ticket.dst_slots),
+            head_begin=heads[0],
+            head_end=heads[1],
         )
         with self._lock:
             self._open[ticket.transfer_id] = handle

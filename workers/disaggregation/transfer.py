@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -94,12 +94,16 @@ class SendHandle:
         abandon: Callable[[SendHandle, KVTransferError], bool],
         max_message_bytes: int,
         deadline: float,
+        heads: tuple[int, int] | None = None,
     ):
         self.ticket = ticket
         self.transfer_id = ticket.transfer_id
         self.peer = ticket.endpoint.replica_id
         self.src = src
         self.view = view
+        # the model's KV heads it moves (all of the pool's, but across degrees)
+        self.heads = heads or view.kv_heads
+        self.token_layer_bytes = view.payload_bytes(Piece(0, 1, 0, 1, *self.heads))
         self.deadline = deadline
         self.started = time.monotonic()
         self._submit = submit
@@ -125,7 +129,11 @@ class SendHandle:
         the slot lists; default: to the end). Per layer, tokens must be sent in order without gaps
         (chunked prefill sends each chunk's range). A no-op once the transfer has failed."""
         piece = Piece(
-            layer_begin, layer_end, token_begin, self.num_tokens if token_end is None else token_end
+            layer_begin,
+            layer_end,
+            token_begin,
+            self.num_tokens if token_end is None else token_end,
+            *self.heads,
         )
         with self._lock:
             if self._finished:
@@ -148,6 +156,8 @@ class SendHandle:
                     layer_end=part.layer_end,
                     token_begin=part.token_begin,
                     token_end=part.token_end,
+                    head_begin=part.head_begin,
+                    head_end=part.head_end,
                 )
                 self._submit(SendOp(self, frame, part, ready))
 
@@ -192,7 +202,17 @@ class SendHandle:
         return self._outcome.done()
 
 
-def layer_by_layer(started: list[tuple[SendHandle, int]]) -> Callable[[int], None] | None:
+class LayerSends(Protocol):
+    """What a forward's layers are queued on: a SendHandle, or a rank's group of them."""
+
+    def send_layers(
+        self, layer_begin: int, layer_end: int, token_begin: int = 0, token_end: int | None = None
+    ) -> None: ...
+
+    def cancel(self, reason: str = ...) -> bool: ...
+
+
+def layer_by_layer(started: Sequence[tuple[LayerSends, int]]) -> Callable[[int], None] | None:
     """A forward's `layer_done` for sends begun with it: each call queues that layer of every
     send, tokens `first ..` (the forward's chunk). A send whose queueing fails is cancelled (the
     receiver fails the transfer). None when there is nothing to stream."""
@@ -217,11 +237,20 @@ class RecvHandle:
     again, so the caller may free them.
     """
 
-    def __init__(self, ticket: KVTicket, dst: torch.Tensor, view: PoolView, deadline: float):
+    def __init__(
+        self,
+        ticket: KVTicket,
+        dst: torch.Tensor,
+        view: PoolView,
+        deadline: float,
+        heads: tuple[int, int] | None = None,
+    ):
         self.ticket = ticket
         self.transfer_id = ticket.transfer_id
         self.dst = dst
         self.view = view
+        self.heads = heads or view.kv_heads  # the model's KV heads it writes
+        self.token_layer_bytes = view.payload_bytes(Piece(0, 1, 0, 1, *self.heads))
         self.deadline = deadline
         self.peer_key: str | None = None  # the connection that began it
         self.peer: str | None = None  # that connection's replica id
@@ -258,6 +287,11 @@ class RecvHandle:
                 )
             if frame.slots_digest != digest:
                 return "the receiver's slot list differs from the ticket's (stale ticket)"
+            if (frame.head_begin, frame.head_end) != self.heads:
+                return (
+                    f"sender moves KV heads [{frame.head_begin}, {frame.head_end}), receiver expects "
+                    f"[{self.heads[0]}, {self.heads[1]})"
+                )
             self.peer_key, self.peer = peer_key, peer
             return ""
 
@@ -266,6 +300,8 @@ class RecvHandle:
         with self._lock:
             if self._outcome.done():
                 return ""
+            if piece.heads != self.heads:
+                return f"a payload of KV heads {piece.heads}, the transfer moves {self.heads}"
             problem = self._coverage.check(piece)
             if problem:
                 return problem

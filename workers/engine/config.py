@@ -67,6 +67,10 @@ class EngineConfig:
     # Prefill role: send each layer of a prompt's last chunk as the forward writes it (False:
     # the whole prompt after the forward; load_tests/bench_handoff.py compares the two).
     kv_transfer_layerwise: bool = True
+    # Decode role: the tp_size of the prefill replicas its KV comes from (0: its own). Set by the
+    # application builder from --prefill-tp; each rank expects each of its heads from the prefill
+    # rank that the plan of executor/tp_kv.py names.
+    kv_peer_tp_size: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -108,6 +112,8 @@ class EngineConfig:
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
         ParallelConfig(self.tp_size, self.ep_size)  # raises for sizes without a layout
+        if self.kv_peer_tp_size < 0:
+            raise ValueError("kv_peer_tp_size must be >= 0")
 
     @property
     def parallel(self) -> ParallelConfig:

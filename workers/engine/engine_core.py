@@ -51,7 +51,7 @@ from radixserve.workers.executor.cpu_runtime import tune_malloc
 from radixserve.workers.executor.forward_worker import ForwardJob, ForwardWorker
 from radixserve.workers.executor.model_runner import ModelRunner
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
-from radixserve.workers.executor.tp_kv import RankKVSpec, fingerprint_of
+from radixserve.workers.executor.tp_kv import KVLayout, RankKVSpec, fingerprint_of
 from radixserve.workers.executor.tp_leader import TPLeader
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.mem_cache.memory import max_tokens_for_memory
@@ -163,6 +163,8 @@ class EngineCore:
                 self.inflight,
                 self.served_model_name,
                 fingerprint_of(loaded),
+                KVLayout.of(loaded, config.tp_size),
+                config.kv_peer_tp_size,
                 self.tp.rank_transfers(config.role),
             )
         self.timing = StepStats()
@@ -215,11 +217,11 @@ class EngineCore:
                 req.kv_ticket = KVTicket.from_dict(ticket)
                 if req.kv_ticket.held_tokens + len(req.kv_ticket.dst_slots) != len(req.origin_input_ids):
                     raise InvalidRequest("the KV ticket does not cover the prompt", "kv_tickets")
-                if req.kv_ticket.tp_size != self.config.tp_size:
+                if req.kv_ticket.sender_tp != self.config.tp_size:
                     raise InvalidRequest(
-                        f"the decode replica runs tp_size {req.kv_ticket.tp_size} and this prefill "
-                        f"replica tp_size {self.config.tp_size}: KV moves rank to rank between "
-                        "replicas of one degree only",
+                        f"the decode replica expects KV from prefill replicas of tp_size "
+                        f"{req.kv_ticket.sender_tp}, this one runs tp_size {self.config.tp_size} "
+                        "(--prefill-tp must be the prefill pool's degree)",
                         "kv_tickets",
                     )
         return reqs
@@ -576,7 +578,14 @@ def _rank_kv(config: EngineConfig) -> RankKVSpec | None:
     """What a prefill or decode replica's following ranks need for KV transfers of their own."""
     if config.role == "unified":
         return None
-    return RankKVSpec(config.role, config.kv_transfer, config.kv_transfer_timeout_s, config.served_model_name)
+    return RankKVSpec(
+        config.role,
+        config.kv_transfer,
+        config.kv_transfer_timeout_s,
+        config.served_model_name,
+        config.tp_size,
+        config.kv_peer_tp_size,
+    )
 
 
 def _answer(fut: Future, fn: Callable[[], Any]) -> None:

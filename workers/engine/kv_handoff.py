@@ -19,10 +19,10 @@ the tree would free duplicates of slots it already holds).
 
 Either way a transfer that does not settle within `kv_transfer_timeout_s` frees its slots.
 
-At tp_size > 1 every rank moves its own heads, rank r to rank r of the peer replica
-(executor/tp_kv.py): the followers expect, send and cancel on this rank's orders (`self.ranks`),
-and a sequence is admitted (decode) or its slots released (prefill) only once every rank's part
-of its transfer has settled.
+At tp_size > 1 every rank moves its own heads, to the ranks of the peer replica that the plan of
+executor/tp_kv.py names (rank r to rank r between equal degrees): the followers expect, send and
+cancel on this rank's orders (`self.ranks`), and a sequence is admitted (decode) or its slots
+released (prefill) only once every rank's part of its transfer has settled.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.schedule_policy import match_key
 from radixserve.workers.engine.scheduler import Scheduler
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
-from radixserve.workers.executor.tp_kv import RECV, SEND, RankTransfers
+from radixserve.workers.executor.tp_kv import RECV, SEND, KVLayout, RankTransfers, RecvGroup, SendGroup
 from radixserve.workers.protocol import QueueFull, TransferFailed
 
 logger = logging.getLogger("radixserve.engine")
@@ -64,7 +64,7 @@ LEASE_GRACE_S = 5.0
 @dataclass
 class _Send:
     req: Req
-    handle: SendHandle
+    handle: SendHandle | SendGroup
     lease_end: float
     detached: bool = False  # out of the running batch: its slots are this table's to release
 
@@ -80,6 +80,8 @@ class KVHandoff:
         inflight: InflightRequests,
         served_model_name: str,
         fingerprint: str,
+        layout: KVLayout,
+        peer_tp_size: int = 0,
         ranks: RankTransfers | None = None,
     ):
         self.role = role
@@ -97,12 +99,16 @@ class KVHandoff:
             served_model_name,
             fingerprint,
             KVTransferConfig(transfer_timeout=timeout_s),
+            layout.kv_heads,
         )
-        self.receiving: dict[str, tuple[Req, RecvHandle]] = {}  # decode: by sequence key
+        self.layout = layout
+        # decode: the prefill replicas' degree, which each rank plans its receives for
+        self.sender_tp = peer_tp_size or layout.tp_size
+        self.receiving: dict[str, tuple[Req, RecvHandle | RecvGroup]] = {}  # decode: by sequence key
         self.landed: dict[str, tuple[Req, dict[str, Any]]] = {}  # decode: KV in, grammar pending
         self.sending: dict[str, _Send] = {}  # prefill: by sequence key
         # prefill: transfers begun with a last prefill chunk, until its first token closes them
-        self.streaming: dict[str, tuple[Req, SendHandle]] = {}
+        self.streaming: dict[str, tuple[Req, SendHandle | SendGroup]] = {}
         # tp_size > 1: the followers' part of each transfer. Prefill: the transfers they send, by
         # sequence key, from the batch that completes the prompt until this rank releases it.
         self.ranks = ranks
@@ -130,7 +136,7 @@ class KVHandoff:
     def reserve(self, reqs: list[Req]) -> list[dict[str, Any]]:
         """Slots and a ticket for each sequence's prompt past the cached prefix; all or none
         (raises QueueFull when the rows or the KV pool cannot take them now)."""
-        handles: list[RecvHandle] = []
+        handles: list[RecvHandle | RecvGroup] = []
         try:
             for req in reqs:
                 handles.append(self._reserve_one(req))
@@ -155,9 +161,13 @@ class KVHandoff:
                 self._free_reserved(req)
             raise
         endpoints = self.ranks.endpoints if self.ranks is not None else ()
-        return [dataclasses.replace(h.ticket, rank_endpoints=endpoints).to_dict() for h in handles]
+        sender_tp = self.sender_tp if self.sender_tp != self.layout.tp_size else 0
+        return [
+            dataclasses.replace(h.ticket, rank_endpoints=endpoints, sender_tp_size=sender_tp).to_dict()
+            for h in handles
+        ]
 
-    def _reserve_one(self, req: Req) -> RecvHandle:
+    def _reserve_one(self, req: Req) -> RecvHandle | RecvGroup:
         row = self.scheduler.req_pool.alloc()
         if row is None:
             raise QueueFull("the decode replica has no room for another running sequence; retry later")
@@ -178,7 +188,9 @@ class KVHandoff:
         req.cache_len, req.last_node = len(match.slots), match.node
         transfer_id = f"{req.key}@{uuid.uuid4().hex[:12]}"
         try:
-            handle = self.transfer.expect(transfer_id, slots, len(match.slots), timeout=self.timeout_s)
+            handle = self.layout.expect(
+                self.transfer, self.sender_tp, transfer_id, slots, len(match.slots), self.timeout_s
+            )
         except BaseException:
             self._free_reserved(req)
             raise
@@ -285,13 +297,13 @@ class KVHandoff:
             self._order_rank_sends(completing, layerwise)
         if not layerwise:
             return None
-        started: list[tuple[SendHandle, int]] = []
+        started: list[tuple[SendHandle | SendGroup, int]] = []
         for req, _start, first in completing:
             ticket = req.kv_ticket
             end = len(req.origin_input_ids)
             held = ticket.held_tokens
             try:
-                handle = self.transfer.send(ticket, req.kv_slots[held:end], timeout=self.timeout_s)
+                handle = self.layout.send(self.transfer, ticket, req.kv_slots[held:end], self.timeout_s)
                 if first > 0:
                     handle.send_layers(0, self.num_layers, 0, first)
             except Exception:
@@ -357,7 +369,7 @@ class KVHandoff:
             if streamed is not None:
                 handle = streamed[1]
             else:
-                handle = self.transfer.send(ticket, src, timeout=self.timeout_s)
+                handle = self.layout.send(self.transfer, ticket, src, self.timeout_s)
                 handle.send_all()
             handle.finish({"token": req.output_ids[0], "cached_tokens": req.cached_tokens or 0})
         except Exception:

@@ -1,12 +1,21 @@
 """KV transfers of a tensor-parallel PD replica: every rank moves its own heads.
 
 At tp_size N a prefill or decode replica's KV lies in N pools, each with its rank's KV heads at
-the same slot indices (the followers take rank 0's slot decisions). A transfer therefore runs
-rank r -> rank r of a replica of the same degree: every rank has a KVTransferEngine of its own
-over its own pool, and a decode replica's ticket carries one endpoint per rank
-(`KVTicket.rank_endpoints`). Degrees that differ are refused: rank r of one would hold other
-heads than rank r of the other (the handshake would refuse the pair anyway, its head counts
-differ; the prefill replica refuses the ticket up front, with both degrees named).
+the same slot indices (the followers take rank 0's slot decisions). Every rank has a
+KVTransferEngine of its own over its own pool, and a decode replica's ticket carries one endpoint
+per rank (`KVTicket.rank_endpoints`).
+
+Which rank sends which heads to which (`transfer_plan`): between replicas of one degree, rank r
+sends all its heads to rank r, one transfer per rank. Between degrees (`--prefill-tp` and
+`--decode-tp`), each receiving rank takes each of its KV heads from one sending rank that holds
+it (itself by index where it holds them, else spread over the holders), and each (sender rank,
+receiver rank) pair with heads in common is one transfer of those heads, the request's transfer
+id plus "/p-d". A rank's parts of one request form one handle (`RecvGroup`, `SendGroup`): it
+settles when all of them have. Every layout the model has at both degrees works this way: whole
+KV heads split unevenly (9 query / 3 KV heads over 2 ranks), KV heads replicated over several
+ranks (fewer KV heads than ranks), and either side larger. The decode replica plans for the
+prefill degree it was configured with (`sender_tp_size` in the ticket); a prefill replica of
+another degree refuses the ticket up front, with both degrees named.
 
 Rank 0 keeps all the bookkeeping (engine/kv_handoff.py) and gives the followers orders. An order
 rides the batch broadcast (`broadcast_control`), so it is ordered with the forwards, and it
@@ -39,6 +48,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -49,11 +59,15 @@ from radixserve.workers.disaggregation import (
     KVTransferConfig,
     KVTransferEngine,
     KVTransferError,
+    RecvHandle,
+    SendHandle,
     create_kv_transfer_engine,
     layer_by_layer,
     model_fingerprint,
 )
+from radixserve.workers.distributed.parallel import HeadSplit
 from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.models.loader import iter_checkpoint_edges
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -71,12 +85,189 @@ def report_key(kind: str, transfer_id: str, rank: int) -> str:
 
 
 def fingerprint_of(loaded: Any) -> str:
-    """The model's identity for the KV transfer handshake (this rank's shard: ranks r of two
-    replicas of one degree hold equal shards)."""
+    """The model's identity for the KV transfer handshake: its config and its checkpoint's
+    tensors (names, shapes, dtypes, first and last rows), not this rank's shard, so that the ranks
+    of replicas of any degrees agree."""
     mc = loaded.config
     is_instance = dataclasses.is_dataclass(mc) and not isinstance(mc, type)
     config = dataclasses.asdict(mc) if is_instance else dict(vars(mc))
-    return model_fingerprint(config, loaded.model.state_dict().items())
+    return model_fingerprint(config, iter_checkpoint_edges(Path(loaded.model_path)))
+
+
+@dataclass(frozen=True)
+class KVPart:
+    """One transfer of a request between two replicas' ranks: the model's KV heads [lo, hi)."""
+
+    sender: int
+    receiver: int
+    heads: tuple[int, int]
+
+
+def transfer_plan(num_heads: int, num_kv_heads: int, sender_tp: int, receiver_tp: int) -> tuple[KVPart, ...]:
+    """Every (sender rank, receiver rank) transfer of one request's KV, and the heads it moves:
+    each receiving rank gets each of its heads exactly once. Raises ValueError for a degree the
+    model has no layout at."""
+    held = [HeadSplit.of(num_heads, num_kv_heads, sender_tp, r) for r in range(sender_tp)]
+    parts: list[KVPart] = []
+    for d in range(receiver_tp):
+        want = HeadSplit.of(num_heads, num_kv_heads, receiver_tp, d)
+        sources = []
+        for h in range(want.kv_lo, want.kv_hi):
+            holders = [p for p, split in enumerate(held) if split.kv_lo <= h < split.kv_hi]
+            sources.append(d if d in holders else holders[d % len(holders)])
+        start = want.kv_lo
+        for i, source in enumerate(sources):
+            h = want.kv_lo + i
+            if i + 1 == len(sources) or sources[i + 1] != source:
+                parts.append(KVPart(source, d, (start, h + 1)))
+                start = h + 1
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One rank's place in a PD replica's KV: the model's heads and the replica's degree."""
+
+    num_heads: int
+    num_kv_heads: int
+    tp_size: int = 1
+    rank: int = 0
+
+    @classmethod
+    def of(cls, loaded: Any, tp_size: int = 1, rank: int = 0) -> KVLayout:
+        return cls(loaded.config.num_heads, loaded.config.num_kv_heads, tp_size, rank)
+
+    @property
+    def kv_heads(self) -> tuple[int, int, int]:
+        """(begin, end, the model's): the KV heads this rank's pool holds."""
+        split = HeadSplit.of(self.num_heads, self.num_kv_heads, self.tp_size, self.rank)
+        return split.kv_lo, split.kv_hi, self.num_kv_heads
+
+    def parts(self, sender_tp: int, receiver_tp: int, sending: bool) -> list[KVPart]:
+        """This rank's transfers of a request between replicas of these degrees."""
+        plan = transfer_plan(self.num_heads, self.num_kv_heads, sender_tp, receiver_tp)
+        return [p for p in plan if (p.sender if sending else p.receiver) == self.rank]
+
+    def expect(
+        self, engine: KVTransferEngine, sender_tp: int, transfer_id: str, slots, held: int, timeout: float
+    ) -> RecvHandle | RecvGroup:
+        """Register this rank's parts of a transfer from a replica of `sender_tp` ranks."""
+        if sender_tp == self.tp_size:
+            return engine.expect(transfer_id, slots, held, timeout=timeout)
+        handles: list[RecvHandle] = []
+        try:
+            for part in self.parts(sender_tp, self.tp_size, sending=False):
+                part_id = part_transfer_id(transfer_id, part)
+                handles.append(engine.expect(part_id, slots, held, timeout=timeout, heads=part.heads))
+        except BaseException:
+            for h in handles:
+                h.cancel("registering the transfer's other parts failed")
+            raise
+        return RecvGroup(transfer_id, handles)
+
+    def send(
+        self, engine: KVTransferEngine, ticket: KVTicket, slots, timeout: float
+    ) -> SendHandle | SendGroup:
+        """Start this rank's parts of the ticket's transfer (the ticket as the receiver's rank 0
+        issued it, with every rank's endpoint)."""
+        if ticket.sender_tp != self.tp_size:
+            raise KVTransferError(
+                f"the decode replica expects KV from a prefill replica of tp_size {ticket.sender_tp}, "
+                f"this one runs tp_size {self.tp_size}"
+            )
+        if ticket.tp_size == self.tp_size:
+            return engine.send(ticket.for_rank(self.rank), slots, timeout=timeout)
+        handles: list[SendHandle] = []
+        try:
+            for part in self.parts(self.tp_size, ticket.tp_size, sending=True):
+                peer = dataclasses.replace(
+                    ticket.for_rank(part.receiver), transfer_id=part_transfer_id(ticket.transfer_id, part)
+                )
+                handles.append(engine.send(peer, slots, timeout=timeout, heads=part.heads))
+        except BaseException:
+            for h in handles:
+                h.cancel("starting the transfer's other parts failed")
+            raise
+        return SendGroup(ticket.transfer_id, len(slots), handles)
+
+
+def part_transfer_id(transfer_id: str, part: KVPart) -> str:
+    return f"{transfer_id}/{part.sender}-{part.receiver}"
+
+
+def _all_of(futures: Sequence[Future]) -> Future:
+    """Resolves once every future has, with their dict results merged; fails with the first
+    failure as soon as it happens."""
+    out: Future = Future()
+    pending = [len(futures)]
+    lock = threading.Lock()
+    merged: dict[str, Any] = {}
+
+    def done(f: Future) -> None:
+        with lock:
+            pending[0] -= 1
+            if out.done():
+                return
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+            merged.update(f.result() or {})
+            if pending[0] == 0:
+                out.set_result(merged)
+
+    if not futures:
+        out.set_result({})
+    for f in futures:
+        f.add_done_callback(done)
+    return out
+
+
+class RecvGroup:
+    """A decode rank's parts of one request's transfer, as one handle."""
+
+    def __init__(self, transfer_id: str, handles: list[RecvHandle]):
+        assert handles, "a decode rank receives every one of its heads"
+        self.handles = handles
+        self.ticket = dataclasses.replace(handles[0].ticket, transfer_id=transfer_id)
+        self.future = _all_of([h.future for h in handles])
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def cancel(self, reason: str = "cancelled by the receiver") -> bool:
+        return any([h.cancel(reason) for h in self.handles])
+
+
+class SendGroup:
+    """A prefill rank's parts of one request's transfer (none, where the receiving ranks take
+    every head this rank holds from others), as one handle."""
+
+    def __init__(self, transfer_id: str, num_tokens: int, handles: list[SendHandle]):
+        self.transfer_id = transfer_id
+        self.num_tokens = num_tokens
+        self.handles = handles
+        self.future = _all_of([h.future for h in handles])
+
+    def send_layers(
+        self, layer_begin: int, layer_end: int, token_begin: int = 0, token_end: int | None = None
+    ):
+        for h in self.handles:
+            h.send_layers(layer_begin, layer_end, token_begin, token_end)
+
+    def send_all(self) -> None:
+        for h in self.handles:
+            h.send_all()
+
+    def finish(self, aux: dict[str, Any] | None = None) -> Future:
+        for h in self.handles:
+            h.finish(aux)
+        return self.future
+
+    def cancel(self, reason: str = "cancelled by the sender") -> bool:
+        return any([h.cancel(reason) for h in self.handles])
+
+    def done(self) -> bool:
+        return self.future.done()
 
 
 @dataclass(frozen=True)
@@ -87,14 +278,20 @@ class RankKVSpec:
     kv_transfer: str
     timeout_s: float
     served_model_name: str | None  # None: the model's own name
+    tp_size: int = 1  # the replica's
+    peer_tp_size: int = 0  # decode: the prefill replicas' degree (0: the same)
 
 
 class FollowerTransfers:
     """A following rank's transfers: it acts on rank 0's orders and reports what settles."""
 
-    def __init__(self, rank: int, engine: KVTransferEngine, store: dist.Store, num_layers: int):
-        self.rank, self.engine, self.store = rank, engine, store
+    def __init__(
+        self, layout: KVLayout, engine: KVTransferEngine, store: dist.Store, num_layers: int, peer_tp: int
+    ):
+        self.layout, self.engine, self.store = layout, engine, store
+        self.rank = layout.rank
         self.num_layers = num_layers
+        self.peer_tp = peer_tp or layout.tp_size
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], Any] = {}  # (kind, transfer id) -> its handle
         self._next: list[dict[str, Any]] = []  # send orders for the next batch
@@ -105,6 +302,7 @@ class FollowerTransfers:
         cls, rank: int, spec: RankKVSpec, pool: KVPool, loaded: Any, store: dist.Store
     ) -> FollowerTransfers:
         """Its transfer engine over this rank's pool; a decode follower publishes its endpoint."""
+        layout = KVLayout.of(loaded, spec.tp_size, rank)
         engine = create_kv_transfer_engine(
             spec.kv_transfer,
             pool,
@@ -112,10 +310,11 @@ class FollowerTransfers:
             spec.served_model_name or loaded.name,
             fingerprint_of(loaded),
             KVTransferConfig(transfer_timeout=spec.timeout_s),
+            layout.kv_heads,
         )
         if spec.role == "decode":
             store.set(endpoint_key(rank), json.dumps(engine.endpoint().to_dict()))
-        return cls(rank, engine, store, len(pool.k_buffers))
+        return cls(layout, engine, store, len(pool.k_buffers), spec.peer_tp_size)
 
     # Orders (the follower's main thread, between batches) ----------------------------------------
     def on_control(self, order: dict[str, Any]) -> int:
@@ -124,8 +323,13 @@ class FollowerTransfers:
         op = order["op"]
         if op == "expect":
             for item in order["items"]:
-                handle = self.engine.expect(
-                    item["id"], item["slots"], int(item["held"]), timeout=float(item["timeout"])
+                handle = self.layout.expect(
+                    self.engine,
+                    self.peer_tp,
+                    item["id"],
+                    item["slots"],
+                    int(item["held"]),
+                    float(item["timeout"]),
                 )
                 self._track(RECV, item["id"], handle.future, handle)
         elif op == "send":
@@ -175,8 +379,8 @@ class FollowerTransfers:
         for order in orders:
             transfer_id = order["id"]
             try:
-                ticket = KVTicket.from_dict(order["ticket"]).for_rank(self.rank)
-                handle = self.engine.send(ticket, order["slots"], timeout=float(order["timeout"]))
+                ticket = KVTicket.from_dict(order["ticket"])
+                handle = self.layout.send(self.engine, ticket, order["slots"], float(order["timeout"]))
             except Exception as exc:
                 logger.exception("rank %d: starting transfer %r failed", self.rank, transfer_id)
                 failed: Future = Future()

@@ -145,10 +145,8 @@ def resolve_model_dir(model_path: str | None) -> tuple[Path, str]:
     raise ValueError(f"{model_path!r} has no config.json (and not exactly one .gguf file)")
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of a single-file or sharded safetensors checkpoint."""
-    from safetensors import safe_open
-
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a single-file or sharded checkpoint."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -156,10 +154,33 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    for name in files:
-        with safe_open(str(model_dir / name), framework="pt") as f:
+    return [model_dir / name for name in files]
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a single-file or sharded safetensors checkpoint."""
+    from safetensors import safe_open
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
+
+
+def iter_checkpoint_edges(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, its first and last row) for every tensor of a checkpoint (a 0- or 1-D tensor whole):
+    a few bytes per tensor, read without loading the rest."""
+    from safetensors import safe_open
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                shape = sl.get_shape()
+                if len(shape) < 2:
+                    yield key, f.get_tensor(key)
+                else:
+                    yield key, torch.cat([sl[:1], sl[shape[0] - 1 :]])
 
 
 def read_config(model_dir: Path, dtype: torch.dtype) -> ModelConfig:
