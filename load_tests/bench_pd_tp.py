@@ -1,5 +1,5 @@
-"""PD at tensor parallelism 2 against 1: the first token and the hand-off (first token -> second
-token) of the default model, for prompts of fresh random tokens.
+"""PD at tensor parallelism 2 against 1, and between the two: the first token and the hand-off
+(first token -> second token) of the default model, for prompts of fresh random tokens.
 
     python -m load_tests.bench_pd_tp                       # ~3 minutes on 2 cores
     python -m load_tests.bench_pd_tp --prompt-tokens 1000 4000 --repeats 5 --json results/pd_tp.json
@@ -9,6 +9,8 @@ one tensor-parallel group per process) and a decode engine in this one, over loo
   tp1  one rank per engine, two torch threads
   tp2  two ranks per engine, one torch thread each; every rank sends its own heads (2 + 1 of the
        default model's 3 KV heads) straight to the same rank of the decode engine
+  tp2->tp1  the tp2 prefill engine into a tp1 decode engine (--prefill-tp 2 --decode-tp 1): the
+       decode rank takes KV heads 0-1 from prefill rank 0 and head 2 from rank 1, two transfers
 Requests alternate between the pairs (only one pair computes at a time) and ask for 3 tokens.
 Both pairs are timed the same way: the first token is when the prefill engine's answer is back
 here (its request ends with that token), the second and third when the decode engine streams
@@ -67,6 +69,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for name, layout in layouts.items():
             prefill = EngineProcess(role="prefill", **common, **layout)
             pairs[name] = (prefill, Engine(role="decode", **common, **layout))
+        # The tp2 prefill engine serves a second decode engine too (one pair computes at a time).
+        pairs["tp2->tp1"] = (
+            pairs["tp2"][0],
+            Engine(role="decode", kv_peer_tp_size=2, **common, **layouts["tp1"]),
+        )
         vocab = pairs["tp1"][1].core.model_config.vocab_size
         rng = random.Random(0)
         for prefill, decode in pairs.values():  # warm-up: pairs set up, kernels touched
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     finally:
         for prefill, decode in pairs.values():
             decode.shutdown()
-            prefill.close()
+            prefill.close()  # closing twice is a no-op
     columns = [("prompt_tokens", "tokens"), ("layout", "layout"), ("ttft_ms", "ttft ms")]
     columns += [("handoff_ms", "handoff ms"), ("handoff_min_ms", "(min)"), ("decode_step_ms", "step ms")]
     report(rows, columns, args.json)

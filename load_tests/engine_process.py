@@ -108,7 +108,10 @@ class EngineProcess:
         return self._call("call", fn, timeout)
 
     def close(self) -> None:
+        """Stop the engine and its process; a second call does nothing."""
         with self._lock:
+            if self.process.exitcode is not None:
+                return
             self.conn.send(None)
         self.process.join(60)
         if self.process.exitcode is None:

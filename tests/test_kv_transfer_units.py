@@ -365,3 +365,39 @@ def test_rows_move_as_the_widest_integer_that_divides_them(heads, dim, dtype, ro
     for layer in range(2):
         assert torch.equal(pools[1].k_buffers[layer][dst], pools[0].k_buffers[layer][src])
         assert torch.equal(pools[1].v_buffers[layer][dst], pools[0].v_buffers[layer][src])
+
+
+@pytest.mark.parametrize(("dim", "dtype"), [(4, torch.bfloat16), (3, torch.bfloat16), (3, torch.float32)])
+def test_a_head_range_moves_between_pools_of_other_head_shares(dim, dtype):
+    """A rank holding the model's KV heads [0, 3) sends head 2 to a rank holding only [2, 3), and
+    that rank sends it back into heads [2, 3) of a third: only that head's rows are read or
+    written (an offset row, moved as the widest integer dividing its offset and size too)."""
+    gen = torch.Generator().manual_seed(0)
+    full, part, back = (KVPool(2, n, dim, num_slots=16, dtype=dtype) for n in (3, 1, 3))
+    for pool in (full, part, back):
+        for buf in pool.k_buffers + pool.v_buffers:
+            buf.copy_(torch.randn(buf.shape, generator=gen))
+    full_view, part_view, back_view = PoolView(full), PoolView(part, (2, 3)), PoolView(back)
+    before = [b.clone() for b in back.k_buffers + back.v_buffers]
+    piece = Piece(0, 2, 0, 3, 2, 3)
+    assert full_view.payload_shape(piece) == part_view.payload_shape(piece) == (2, 2, 3, 1, dim)
+    src, mid, dst = (
+        full_view.slot_index([3, 1, 7]),
+        part_view.slot_index([9, 10, 2]),
+        back_view.slot_index([4, 5, 6]),
+    )
+    payload = full_view.gather(src, piece, torch.empty(full_view.payload_shape(piece), dtype=dtype))
+    part_view.scatter(mid, piece, payload)
+    payload = part_view.gather(mid, piece, torch.empty(part_view.payload_shape(piece), dtype=dtype))
+    back_view.scatter(dst, piece, payload)
+    for layer in range(2):
+        for bufs in ("k_buffers", "v_buffers"):
+            src_buf, mid_buf, dst_buf = (getattr(p, bufs)[layer] for p in (full, part, back))
+            assert torch.equal(mid_buf[mid, 0], src_buf[src, 2])
+            assert torch.equal(dst_buf[dst, 2], src_buf[src, 2])
+    after = back.k_buffers + back.v_buffers
+    for b, a in zip(before, after):
+        a[dst, 2] = b[dst, 2]
+        assert torch.equal(a, b)  # nothing but head 2 of the three slots changed
+    with pytest.raises(ValueError, match=r"KV heads \[1, 3\) are not all in this pool's \[2, 3\)"):
+        part_view.gather(mid, Piece(0, 1, 0, 1, 1, 3), payload)

@@ -19,10 +19,20 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
 from load_tests.engine_process import EngineProcess
 from radixserve.workers import Engine
-from radixserve.workers.executor.tp_kv import KVPart, transfer_plan
+from radixserve.workers.disaggregation import (
+    KVEndpoint,
+    KVTicket,
+    KVTransferError,
+    RecvHandle,
+    TransferCancelled,
+)
+from radixserve.workers.disaggregation.packing import PoolView
+from radixserve.workers.executor.tp_kv import KVPart, RecvGroup, SendGroup, transfer_plan
+from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.protocol import GenerateRequest, InvalidRequest, SamplingParams
 from tests.engine_utils import assert_kv_invariant
 from tests.test_pd_engine import abort_while_reserved, merge, pd_run, unified_run
@@ -68,6 +78,38 @@ def test_the_plan_gives_every_receiving_rank_each_of_its_heads_once(heads, kv_he
 def test_a_degree_the_model_has_no_layout_at_is_refused():
     with pytest.raises(ValueError, match="cannot split 9 query heads / 3 KV heads over 6 ranks"):
         transfer_plan(9, 3, 1, 6)
+
+
+def test_a_group_fails_at_its_first_failing_part_once_the_others_are_cancelled():
+    """A rank's parts of one transfer as one handle: the first part to fail cancels the others
+    (after which none writes the slots) before the group's future fails, so the caller may free
+    the slots the moment it sees the failure. Done only when every part is; results merged."""
+    pool = KVPool(2, 3, 4, num_slots=32, dtype=torch.float32)
+    view = PoolView(pool)
+    endpoint = KVEndpoint("gloo", "d", "h:1")
+
+    def part(i: int) -> RecvHandle:
+        ticket = KVTicket(f"t/{i}-0", endpoint, (1, 2, 3))
+        return RecvHandle(ticket, view.slot_index([1, 2, 3]), view, 1e18, (i, i + 1))
+
+    group = RecvGroup("t", [part(0), part(1), part(2)])
+    seen: list[bool] = []
+    group.future.add_done_callback(lambda _f: seen.append(all(h.done() for h in group.handles)))
+    group.handles[1].fail(KVTransferError("part 1 failed"))
+    assert group.done() and seen == [True]
+    with pytest.raises(KVTransferError, match="part 1 failed"):
+        group.future.result()
+    assert all(
+        isinstance(h.future.exception(), TransferCancelled) for h in (group.handles[0], group.handles[2])
+    )
+    assert group.ticket.transfer_id == "t" and not group.cancel()
+
+    ok = RecvGroup("u", [part(0), part(1)])
+    ok.handles[0]._outcome.settle(None, {"token": 7})
+    assert not ok.done()
+    ok.handles[1]._outcome.settle(None, {})
+    assert ok.future.result() == {"token": 7}
+    assert SendGroup("v", 3, []).future.result() == {}  # a rank whose heads others send
 
 
 @pytest.fixture(scope="module")

@@ -216,8 +216,12 @@ class KVReceiver:
 
     def _on_data(self, conn: Connection, frame: Frame, read_payload: Callable[[Piece], torch.Tensor]) -> None:
         piece = frame.piece()
-        if piece.num_layers < 1 or piece.num_tokens < 1 or piece.head_end < piece.head_begin:
+        if piece.num_layers < 1 or piece.num_tokens < 1:
             raise ProtocolError(f"prefill replica {conn.peer!r}: empty payload {piece}")
+        try:
+            self._view.check_heads(self._view.heads_of(piece))
+        except ValueError as exc:  # sized from the frame: refused before any byte is read
+            raise ProtocolError(f"prefill replica {conn.peer!r}: {exc}") from None
         conn.busy = True
         try:
             payload = read_payload(piece)

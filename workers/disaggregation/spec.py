@@ -98,7 +98,10 @@ class KVSpec:
         return getattr(torch, self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.kv_heads == (0, self.num_kv_heads):  # every head: what a version-1 peer can read
+            del d["kv_head_begin"], d["kv_head_end"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KVSpec:

@@ -104,6 +104,8 @@ class KVHandoff:
         self.layout = layout
         # decode: the prefill replicas' degree, which each rank plans its receives for
         self.sender_tp = peer_tp_size or layout.tp_size
+        if role == "decode":
+            layout.parts(self.sender_tp, layout.tp_size, sending=False)  # raises: no layout there
         self.receiving: dict[str, tuple[Req, RecvHandle | RecvGroup]] = {}  # decode: by sequence key
         self.landed: dict[str, tuple[Req, dict[str, Any]]] = {}  # decode: KV in, grammar pending
         self.sending: dict[str, _Send] = {}  # prefill: by sequence key
@@ -226,6 +228,7 @@ class KVHandoff:
                 self._cancel_ranks(RECV, [transfer_id], "the transfer failed on rank 0 or the request ended")
             del self.receiving[key]
             if req.aborted or error is not None:
+                handle.cancel("the transfer failed")  # a group's other parts: no write after this
                 self._free_reserved(req)
                 if error is not None:
                     self.counters["pd_transfers_failed_total"] += 1
@@ -302,11 +305,14 @@ class KVHandoff:
             ticket = req.kv_ticket
             end = len(req.origin_input_ids)
             held = ticket.held_tokens
+            handle = None
             try:
                 handle = self.layout.send(self.transfer, ticket, req.kv_slots[held:end], self.timeout_s)
                 if first > 0:
                     handle.send_layers(0, self.num_layers, 0, first)
             except Exception:
+                if handle is not None:
+                    handle.cancel("queueing the cached prefix failed")
                 # start_send tries again once the first token is there, the whole prompt at once.
                 logger.exception("request %s: starting the KV transfer failed", req.rid)
                 continue
@@ -365,14 +371,15 @@ class KVHandoff:
         end = len(req.origin_input_ids)
         src = req.kv_slots[ticket.held_tokens : end]
         streamed = self.streaming.pop(req.key, None)
+        handle = streamed[1] if streamed is not None else None
         try:
-            if streamed is not None:
-                handle = streamed[1]
-            else:
+            if handle is None:
                 handle = self.layout.send(self.transfer, ticket, src, self.timeout_s)
                 handle.send_all()
             handle.finish({"token": req.output_ids[0], "cached_tokens": req.cached_tokens or 0})
         except Exception:
+            if handle is not None:  # no part reads the slots once this returns
+                handle.cancel("closing the transfer failed")
             # The decode side fails the request at its deadline (or when the router cancels it).
             logger.exception("request %s: starting the KV transfer failed", req.rid)
             self.counters["pd_transfers_failed_total"] += 1
@@ -402,6 +409,8 @@ class KVHandoff:
                     del self.rank_sends[key]
                     error = KVTransferError(ranks_error) if ranks_error else None
             del self.sending[key]
+            if error is not None:
+                handle.cancel("the transfer failed")  # a group's other parts stop reading the slots
             if error is None:
                 self.counters["pd_transfers_sent_total"] += 1
             else:

@@ -195,25 +195,30 @@ def part_transfer_id(transfer_id: str, part: KVPart) -> str:
     return f"{transfer_id}/{part.sender}-{part.receiver}"
 
 
-def _all_of(futures: Sequence[Future]) -> Future:
-    """Resolves once every future has, with their dict results merged; fails with the first
-    failure as soon as it happens."""
+def _all_of(futures: Sequence[Future], on_failure: Callable[[Future, str], Any]) -> Future:
+    """Resolves once every future has, with their dict results merged. At the first failure,
+    `on_failure(that future, why)` runs (the group cancels its other parts: once it returns, none
+    of them touches the slots), then the result fails with that error. It runs on the thread
+    that settled the failed part, inside that part's locks: it must not touch that part."""
     out: Future = Future()
-    pending = [len(futures)]
+    state = {"pending": len(futures), "failed": False}
     lock = threading.Lock()
     merged: dict[str, Any] = {}
 
     def done(f: Future) -> None:
+        error = f.exception()
         with lock:
-            pending[0] -= 1
-            if out.done():
-                return
-            if f.exception() is not None:
-                out.set_exception(f.exception())
-                return
-            merged.update(f.result() or {})
-            if pending[0] == 0:
-                out.set_result(merged)
+            state["pending"] -= 1
+            first_failure = error is not None and not state["failed"]
+            state["failed"] = state["failed"] or error is not None
+            if error is None and not state["failed"]:
+                merged.update(f.result() or {})
+            complete = state["pending"] == 0 and not state["failed"]
+        if first_failure:
+            on_failure(f, f"another part of the transfer failed: {error}")
+            out.set_exception(error)
+        elif complete:
+            out.set_result(merged)
 
     if not futures:
         out.set_result({})
@@ -222,52 +227,59 @@ def _all_of(futures: Sequence[Future]) -> Future:
     return out
 
 
-class RecvGroup:
-    """A decode rank's parts of one request's transfer, as one handle."""
+class _Group:
+    """A rank's parts of one request's transfer, as one handle: done once every part is, failed
+    (every other part cancelled first) at the first that fails."""
 
-    def __init__(self, transfer_id: str, handles: list[RecvHandle]):
-        assert handles, "a decode rank receives every one of its heads"
-        self.handles = handles
-        self.ticket = dataclasses.replace(handles[0].ticket, transfer_id=transfer_id)
-        self.future = _all_of([h.future for h in handles])
+    def __init__(self, handles: Sequence[RecvHandle | SendHandle]):
+        self.handles = list(handles)
+        self.future = _all_of([h.future for h in self.handles], self._cancel_others)
 
     def done(self) -> bool:
         return self.future.done()
 
-    def cancel(self, reason: str = "cancelled by the receiver") -> bool:
+    def cancel(self, reason: str = "cancelled") -> bool:
         return any([h.cancel(reason) for h in self.handles])
 
+    def _cancel_others(self, failed: Future, reason: str) -> None:
+        for h in self.handles:
+            if h.future is not failed:
+                h.cancel(reason)
 
-class SendGroup:
+
+class RecvGroup(_Group):
+    """A decode rank's parts of one request's transfer."""
+
+    def __init__(self, transfer_id: str, handles: list[RecvHandle]):
+        assert handles, "a decode rank receives every one of its heads"
+        self.ticket = dataclasses.replace(handles[0].ticket, transfer_id=transfer_id)
+        super().__init__(handles)
+
+
+class SendGroup(_Group):
     """A prefill rank's parts of one request's transfer (none, where the receiving ranks take
-    every head this rank holds from others), as one handle."""
+    every head this rank holds from others)."""
 
     def __init__(self, transfer_id: str, num_tokens: int, handles: list[SendHandle]):
         self.transfer_id = transfer_id
         self.num_tokens = num_tokens
-        self.handles = handles
-        self.future = _all_of([h.future for h in handles])
+        self.sends = handles
+        super().__init__(handles)
 
     def send_layers(
         self, layer_begin: int, layer_end: int, token_begin: int = 0, token_end: int | None = None
-    ):
-        for h in self.handles:
+    ) -> None:
+        for h in self.sends:
             h.send_layers(layer_begin, layer_end, token_begin, token_end)
 
     def send_all(self) -> None:
-        for h in self.handles:
+        for h in self.sends:
             h.send_all()
 
     def finish(self, aux: dict[str, Any] | None = None) -> Future:
-        for h in self.handles:
+        for h in self.sends:
             h.finish(aux)
         return self.future
-
-    def cancel(self, reason: str = "cancelled by the sender") -> bool:
-        return any([h.cancel(reason) for h in self.handles])
-
-    def done(self) -> bool:
-        return self.future.done()
 
 
 @dataclass(frozen=True)

@@ -168,8 +168,8 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def iter_checkpoint_edges(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, its first and last row) for every tensor of a checkpoint (a 0- or 1-D tensor whole):
-    a few bytes per tensor, read without loading the rest."""
+    """(name with its shape, its first and last row) for every tensor of a checkpoint (a 0- or
+    1-D tensor whole): a few bytes per tensor, read without loading the rest."""
     from safetensors import safe_open
 
     for path in checkpoint_files(model_dir):
@@ -177,10 +177,11 @@ def iter_checkpoint_edges(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]
             for key in f.keys():
                 sl = f.get_slice(key)
                 shape = sl.get_shape()
+                name = f"{key}{list(shape)}"
                 if len(shape) < 2:
-                    yield key, f.get_tensor(key)
+                    yield name, f.get_tensor(key)
                 else:
-                    yield key, torch.cat([sl[:1], sl[shape[0] - 1 :]])
+                    yield name, torch.cat([sl[:1], sl[shape[0] - 1 :]])
 
 
 def read_config(model_dir: Path, dtype: torch.dtype) -> ModelConfig:
