@@ -10,6 +10,7 @@ wakes its own blocked queue reader with a STOP frame, so nothing polls.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -122,6 +123,10 @@ class DistSendLink(SendLink):
         host, _, port = self._endpoint.address.rpartition(":")
         td = datetime.timedelta(seconds=self._cfg.connect_timeout)
         try:
+            # A receiver that is gone refuses the connection: say so now. (A TCPStore client
+            # retries a refused connect until its whole timeout, and nothing can interrupt it:
+            # the transfer would fail only at its deadline, and closing this replica would wait.)
+            socket.create_connection((host, int(port)), timeout=self._cfg.connect_timeout).close()
             store = dist.TCPStore(host, int(port), is_master=False, timeout=td, wait_for_workers=False)
         except Exception as exc:
             raise PeerLost(
