@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 import json
+import time
 
 import pytest
 
