@@ -172,5 +172,14 @@ def test_a_follower_dying_fails_the_engine_with_its_name(tiny_even):
             engine.check_health()
         with pytest.raises(EngineError, match="the engine has stopped"):
             engine.generate("Hello there", GREEDY)
+        # The calls that wait for the engine thread's answer (the router's cache sync, a flush)
+        # fail at once: a replica whose engine stopped drains without waiting them out.
+        started = time.monotonic()
+        for call in (engine.cache_summary, engine.flush_cache, engine.rank_transfers_open):
+            with pytest.raises(EngineError, match="rank 1 of 2 was killed by signal 9"):
+                call()
+        assert time.monotonic() - started < 10
     finally:
         engine.shutdown()
+    with pytest.raises(EngineError, match="rank 1 of 2 was killed"):
+        engine.cache_summary()  # and after its shutdown

@@ -13,8 +13,9 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -47,6 +48,10 @@ from radixserve.workers.protocol import (
 )
 
 logger = logging.getLogger("radixserve.engine")
+
+# A command to the engine thread is answered between steps: within this, or it fails.
+ASK_TIMEOUT_S = 60.0
+ASK_POLL_S = 0.25  # how often a caller waiting for an answer checks that the loop still runs
 
 
 class RequestStream:
@@ -189,23 +194,36 @@ class Engine:
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are in flight. Blocks until the
         engine thread answers (between steps): call it off any event loop."""
-        fut: Future = Future()
-        self._inbox.put(FlushCache(fut))
-        return fut.result(timeout=60)
+        return self._ask(FlushCache)
 
     def cache_summary(self, max_tokens: int = 1 << 20) -> list[tuple[str | None, list[int]]]:
         """The cached prefixes as (namespace, token list) pairs, most recently used first, for
         the router's tree. Blocks like `flush_cache`."""
-        fut: Future = Future()
-        self._inbox.put(CacheSummary(max_tokens, fut))
-        return fut.result(timeout=60)
+        return self._ask(lambda fut: CacheSummary(max_tokens, fut))
 
     def rank_transfers_open(self) -> int:
         """The KV transfers a prefill or decode replica's tensor-parallel followers hold open: 0
         at idle (the idle invariant on every rank). Blocks like `flush_cache`."""
+        return self._ask(RankTransfersOpen)
+
+    def _ask(self, command: Callable[[Future], Any], timeout: float = ASK_TIMEOUT_S) -> Any:
+        """Send the engine thread a command that it answers through a future, and wait for the
+        answer (off any event loop). An engine whose loop has ended (shut down, or stopped by a
+        failed rank) answers nothing: EngineError at once, not after the timeout."""
         fut: Future = Future()
-        self._inbox.put(RankTransfersOpen(fut))
-        return fut.result(timeout=60)
+        self._inbox.put(command(fut))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return fut.result(timeout=ASK_POLL_S)
+            except TimeoutError:
+                if not self._thread.is_alive() and not fut.done():
+                    raise EngineError(self._ended_message()) from None
+                if time.monotonic() > deadline:
+                    raise
+
+    def _ended_message(self) -> str:
+        return "engine shut down" if self._failure is None else f"the engine has stopped: {self._failure}"
 
     @property
     def context_length(self) -> int:
@@ -317,12 +335,25 @@ class Engine:
                 with self._lock:
                     self._failure = failure
                 break
-        message = "engine shut down" if self._failure is None else f"the engine has stopped: {self._failure}"
+        message = self._ended_message()
         self._deliver(self.core.fail_all(message))
         with self._lock:  # submitted, but never seen by the loop (still in the inbox)
             unanswered = [(rid, EngineError(message)) for rid in self._streams]
         self._deliver(unanswered)
+        self._refuse_inbox(message)
         self.core.close()
+        self._refuse_inbox(message)  # what came in meanwhile
+
+    def _refuse_inbox(self, message: str) -> None:
+        """The loop has ended: the commands still queued get no answer but this one."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            done = getattr(cmd, "done", None)
+            if isinstance(done, Future) and not done.done():
+                done.set_exception(EngineError(message))
 
     def _drain_inbox(self, timeout: float | None) -> bool:
         """Run pending commands; wait up to `timeout` for the first one (None: do not wait).
