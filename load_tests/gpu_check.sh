@@ -78,12 +78,17 @@ for d in cluster router workers kernels; do ln -sfn "../../../$d" "build/lint/ra
 export PYTHONPATH="$ROOT/build/lint:$ROOT"
 unset TRITON_INTERPRET  # inherited, it would make triton interpret the GPU runs too
 
+# GPU_CHECK_TESTS: a pytest -k expression to run only some of the tests (the test suite checks
+# this script's steps with one test of each file; it runs all of them itself).
+select=()
+[[ -n ${GPU_CHECK_TESTS:-} ]] && select=(-k "$GPU_CHECK_TESTS")
+
 say "tests: tests/test_triton_attention.py"
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider "${select[@]}" tests/test_triton_attention.py \
   || die "the Triton attention tests failed"
 
 say "tests: tests/test_device_path.py"
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_device_path.py \
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider "${select[@]}" tests/test_device_path.py \
   || die "the engine's GPU path tests failed"
 
 say "bench: python -m load_tests.gpu_bench"
