@@ -34,11 +34,17 @@ LAYOUTS = {
     "gloo-tp2": {"kv_transfer": "gloo", "tp_size": 2},
     "ray-tp1-into-tp2": {"kv_transfer": "ray", "prefill_tp": 1, "decode_tp": 2},
 }
+LAYOUT_TPS = {"gloo-tp2": (2, 2), "ray-tp1-into-tp2": (1, 2)}  # (prefill, decode) per /get_server_info
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def http(request, reference):
-    with running_app({**PD_ARGS, **LAYOUTS[request.param]}, num_cpus=4) as base:
+def layout(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def http(layout, reference):
+    with running_app({**PD_ARGS, **LAYOUTS[layout]}, num_cpus=4) as base:
         with httpx.Client(base_url=base, timeout=120) as c:
             yield c
 
@@ -49,13 +55,14 @@ def idle_after(http):
     wait_idle(http, timeout=120)
 
 
-def test_greedy_output_equals_unified_tp1(http, reference):
+def test_greedy_output_equals_unified_tp1(http, reference, layout):
     ids, expected, _ = reference
     for prompt_ids, ref in zip(ids, expected):
         out = http.post("/generate", json={"input_ids": prompt_ids, "sampling_params": GREEDY}).json()
         assert out["output_ids"] == ref["output_ids"] and out["text"] == ref["text"]
     # Both sides took part: the prefill replica the first tokens, the decode replica the rest.
     stats = {r["role"]: r for r in replicas(http)}
+    assert (stats["prefill"]["tp_size"], stats["decode"]["tp_size"]) == LAYOUT_TPS[layout]
     assert stats["prefill"]["generation_tokens_total"] >= len(ids)
     assert stats["decode"]["generation_tokens_total"] >= len(ids) * (MAX_TOKENS - 1)
 

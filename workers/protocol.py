@@ -431,6 +431,7 @@ class ReplicaStats:
 
     replica_id: str = ""
     role: str = "unified"  # one of ROLES
+    tp_size: int = 1  # ranks of this replica's tensor-parallel group
     running: int = 0
     queued: int = 0
     kv_total: int = 0

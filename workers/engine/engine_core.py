@@ -249,6 +249,7 @@ class EngineCore:
         graphs = self.runner.graphs
         return dict(
             role=self.config.role,
+            tp_size=self.config.tp_size,
             device=str(self.device),
             attention_backend=self.attention_backend,
             cuda_graph_replays=graphs.replayed if graphs is not None else 0,
