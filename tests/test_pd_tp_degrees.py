@@ -36,20 +36,14 @@ from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.protocol import GenerateRequest, InvalidRequest, SamplingParams
 from tests.engine_utils import assert_kv_invariant
 from tests.test_pd_engine import abort_while_reserved, merge, pd_run, unified_run
-from tests.test_pd_tp import idle_on_every_rank
+from tests.test_pd_tp import ARGS, idle_on_every_rank
+from tests.test_pd_tp import PROMPTS as PROMPTS_TP
 from tests.test_pd_tp import pd_run as pd_run_in_process
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # six engines, three of them tensor-parallel ranks
 
-POOL = 2048
-ARGS = dict(
-    dtype="float32", max_total_tokens=POOL, chunked_prefill_size=32, kv_transfer="gloo", num_threads=1
-)
-PROMPTS = [
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-    list(range(100, 170)),  # three prefill chunks: the last one's transfer starts mid-prompt
-]
+PROMPTS = PROMPTS_TP[:2]  # short, and three prefill chunks (the transfer starts mid-prompt)
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
