@@ -8,10 +8,12 @@ import asyncio
 import dataclasses
 import json
 import time
+from concurrent.futures import Future
 
 import pytest
 
 from radixserve.workers import Engine
+from radixserve.workers.engine.commands import ReserveRequest
 from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams, TransferFailed
 from tests.engine_utils import assert_kv_invariant
 from tests.tiny_models import make_tiny_checkpoint
@@ -223,6 +225,33 @@ async def reserved_until_timeout(decode: Engine, ids: list[int]) -> None:
     with pytest.raises(TransferFailed, match="KV transfer failed"):
         async for _ in stream:
             pass
+
+
+def test_a_reservation_its_caller_gave_up_on_reserves_nothing_and_harms_no_one(engines):
+    """The caller's task was cancelled (the client went away) before the engine took up its
+    reservation: the engine reserves nothing for it, and a request waiting for its KV meanwhile
+    is served whole (it was failed with the rest, "internal engine error", when the engine still
+    answered a cancelled future). The fixture checks nothing stays reserved."""
+    _, prefill, decode = engines
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+
+    async def go():
+        waiting = GenerateRequest(list(PROMPTS[1]), sp, stream=True)
+        stream, done = decode.reserve(waiting)
+        tickets = await asyncio.wrap_future(done)
+        given_up: Future = Future()
+        given_up.cancel()
+        gone = GenerateRequest(list(PROMPTS[0]), sp)
+        decode._put(ReserveRequest(decode.core.make_reqs(gone), False, given_up))
+        async for _ in prefill.submit(dataclasses.replace(waiting, kv_tickets=tickets)):
+            pass
+        outs: dict[int, dict] = {}
+        async for chunk in stream:
+            merge(outs, chunk, final=True)
+        return outs[0]
+
+    out = asyncio.run(asyncio.wait_for(go(), timeout=60))
+    assert out["finish"]["type"] == "length" and len(out["ids"]) == 5
 
 
 def test_abort_while_reserved_frees_the_decode_side(engines):

@@ -681,3 +681,10 @@ def test_whatever_a_route_raises_is_answered_once_without_internals():
         )
         r = c.get("/bad")
         assert (r.status_code, r.json()["error"]["param"]) == (400, "seed")
+
+
+def test_replica_stats_from_a_newer_replica_keep_the_fields_this_version_knows():
+    """Mid rolling update an older ingress reads a newer replica's report: unknown fields are
+    left out, not an error that would drop the replica from routing."""
+    stats = ReplicaStats.from_dict({"replica_id": "a", "tp_size": 2, "running": 3, "from_a_later_version": 1})
+    assert (stats.replica_id, stats.tp_size, stats.running) == ("a", 2, 3)

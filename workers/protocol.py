@@ -455,7 +455,11 @@ class ReplicaStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ReplicaStats:
-        return cls(**d)
+        """Fields this version does not know (a newer replica's, mid rolling update) are left out."""
+        return cls(**{k: v for k, v in d.items() if k in _REPLICA_STATS_FIELDS})
+
+
+_REPLICA_STATS_FIELDS = frozenset(f.name for f in dataclasses.fields(ReplicaStats))
 
 
 @dataclass(frozen=True)

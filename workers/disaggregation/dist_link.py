@@ -39,6 +39,9 @@ HELLO_QUEUE = "kv/hello"
 IDLE_WAIT = datetime.timedelta(hours=24)
 TAG_SPACE = 1 << 30
 STOP = encode(Frame(FrameKind.STOP))
+# How long a receiver's port may take to accept before the pair gives up (a refused connect fails
+# at once; the store connection that follows has connect_timeout).
+PROBE_TIMEOUT_S = 5.0
 
 
 def default_host() -> str:
@@ -126,7 +129,8 @@ class DistSendLink(SendLink):
             # A receiver that is gone refuses the connection: say so now. (A TCPStore client
             # retries a refused connect until its whole timeout, and nothing can interrupt it:
             # the transfer would fail only at its deadline, and closing this replica would wait.)
-            socket.create_connection((host, int(port)), timeout=self._cfg.connect_timeout).close()
+            probe_s = min(self._cfg.connect_timeout, PROBE_TIMEOUT_S)
+            socket.create_connection((host, int(port)), timeout=probe_s).close()
             store = dist.TCPStore(host, int(port), is_master=False, timeout=td, wait_for_workers=False)
         except Exception as exc:
             raise PeerLost(

@@ -59,6 +59,7 @@ class PoolView:
         self.kv_heads = kv_heads or (0, self.num_kv_heads)
         if self.kv_heads[1] - self.kv_heads[0] != self.num_kv_heads or self.kv_heads[0] < 0:
             raise ValueError(f"KV heads {self.kv_heads} for a pool of {self.num_kv_heads} heads")
+        self.num_slots = pool.k_buffers[0].shape[0]  # a transfer moves at most this many tokens
         self.dtype = pool.dtype
         self.device = pool.k_buffers[0].device
         self.elem_bytes = torch.empty((), dtype=self.dtype).element_size()

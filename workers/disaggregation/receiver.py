@@ -218,9 +218,11 @@ class KVReceiver:
         piece = frame.piece()
         if piece.num_layers < 1 or piece.num_tokens < 1:
             raise ProtocolError(f"prefill replica {conn.peer!r}: empty payload {piece}")
-        try:
+        try:  # the payload is sized from the frame: refused before any byte is read
             self._view.check_heads(self._view.heads_of(piece))
-        except ValueError as exc:  # sized from the frame: refused before any byte is read
+            if piece.layer_end > self._view.num_layers or piece.token_end > self._view.num_slots:
+                raise ValueError(f"{piece} exceeds the pool's layers or slots")
+        except ValueError as exc:
             raise ProtocolError(f"prefill replica {conn.peer!r}: {exc}") from None
         conn.busy = True
         try:

@@ -103,6 +103,7 @@ class Engine:
         self._lock = threading.Lock()
         self._stopped = False
         self._failure: str | None = None  # why the engine stopped serving on its own (a rank died)
+        self._closed = False  # the loop has ended: no stream registers, no command is answered
         self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
         self._thread.start()
 
@@ -134,11 +135,11 @@ class Engine:
         done: Future = Future()
 
         def refused(f: Future) -> None:
-            if f.exception() is not None:
+            if f.cancelled() or f.exception() is not None:
                 self._unregister(request.rid)
 
         done.add_done_callback(refused)
-        self._inbox.put(ReserveRequest(reqs, request.stream, done))
+        self._put(ReserveRequest(reqs, request.stream, done))
         return stream, done
 
     def _register(
@@ -148,6 +149,8 @@ class Engine:
         with self._lock:
             if (failure := self._stopped_by()) is not None:
                 raise EngineError(f"the engine has stopped: {failure}")
+            if self._closed:  # shut down: the loop answers no stream any more
+                raise EngineError(self._ended_message())
             if request.rid in self._streams:
                 raise InvalidRequest(f"request id {request.rid!r} is already in use", "rid")
             if limit is not None:
@@ -211,7 +214,7 @@ class Engine:
         answer (off any event loop). An engine whose loop has ended (shut down, or stopped by a
         failed rank) answers nothing: EngineError at once, not after the timeout."""
         fut: Future = Future()
-        self._inbox.put(command(fut))
+        self._put(command(fut))
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -338,6 +341,7 @@ class Engine:
         message = self._ended_message()
         self._deliver(self.core.fail_all(message))
         with self._lock:  # submitted, but never seen by the loop (still in the inbox)
+            self._closed = True  # from here on nothing registers, and a command put is refused
             unanswered = [(rid, EngineError(message)) for rid in self._streams]
         self._deliver(unanswered)
         self._refuse_inbox(message)
@@ -352,8 +356,15 @@ class Engine:
             except queue.Empty:
                 return
             done = getattr(cmd, "done", None)
-            if isinstance(done, Future) and not done.done():
+            if isinstance(done, Future) and done.set_running_or_notify_cancel():
                 done.set_exception(EngineError(message))
+
+    def _put(self, command: Any) -> None:
+        """Queue a command for the loop. One queued after the loop's last look at its inbox is
+        refused here (the loop sets `_closed` before it looks)."""
+        self._inbox.put(command)
+        if self._closed:
+            self._refuse_inbox(self._ended_message())
 
     def _drain_inbox(self, timeout: float | None) -> bool:
         """Run pending commands; wait up to `timeout` for the first one (None: do not wait).

@@ -329,6 +329,8 @@ class EngineCore:
 
     def reserve(self, reqs: list[Req], stream: bool, done: Future) -> None:
         """PD decode: reserve the sequences' slots and tickets; they start once their KV is in."""
+        if not done.set_running_or_notify_cancel():
+            return  # the caller gave up waiting (its task was cancelled): reserve nothing
         if self.handoff is None or self.config.role != "decode":
             done.set_exception(InvalidRequest("this replica does not decode for others", "role"))
             return

@@ -217,8 +217,10 @@ def _all_of(futures: Sequence[Future], on_failure: Callable[[Future, str], Any])
                 merged.update(f.result() or {})
             complete = state["pending"] == 0 and not state["failed"]
         if first_failure:
-            on_failure(f, f"another part of the transfer failed: {error}")
-            out.set_exception(error)
+            try:
+                on_failure(f, f"another part of the transfer failed: {error}")
+            finally:
+                out.set_exception(error)
         elif complete:
             out.set_result(merged)
 
