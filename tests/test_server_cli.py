@@ -26,10 +26,22 @@ pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        # As from a terminal: a suite run in the background (`cmd &`) ignores SIGINT, and a child
+        # would inherit that and never see the Ctrl-C these tests send it.
+        preexec_fn=_default_sigint,
     )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
