@@ -1,18 +1,23 @@
 """Fused CPU ops (csrc/*.cpp) with plain-torch fallbacks that compute the same thing.
 
 The C++ extension is compiled at first use with torch.utils.cpp_extension (g++ and ninja needed)
-into torch's extension cache, one build per source and CPU feature set. Where it cannot be built
+into torch's extension cache ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), one
+build per source, CPU feature set, torch and Python version. Where it cannot be built
 (no compiler) or RADIXSERVE_CPU_KERNELS=0, every op runs its torch fallback: slower, same results
 up to float rounding. `native_ops()` says which one is in use.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import math
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,23 +48,60 @@ def native_ops() -> Any:  # the extension module, or None
     try:
         from torch.utils.cpp_extension import load
 
-        # -march=native code must never run on another CPU: the CPU's flags are part of the name.
+        # -march=native code must never run on another CPU: the CPU's flags are part of the name,
+        # and so are torch's and Python's versions (two environments sharing the cache would
+        # otherwise rebuild one name over each other's build).
         key = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_signature().encode())
+        key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
         for path in sorted(_CSRC.iterdir()):
             key.update(path.read_bytes())
-        return load(
-            name=f"radixserve_cpu_ops_{key.hexdigest()[:12]}",
-            sources=[str(_SOURCE)],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = f"radixserve_cpu_ops_{key.hexdigest()[:12]}"
+        build = _build_directory(name)
+        with _exclusive(build):
+            return load(
+                name=name,
+                sources=[str(_SOURCE)],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no headers, ...: the torch fallbacks still work
         log.warning("RadixServe CPU kernels unavailable, using torch fallbacks: %s", exc)
         return None
 
 
+def _build_directory(name: str) -> Path:
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    build = Path(base) / name
+    build.mkdir(parents=True, exist_ok=True)
+    return build
+
+
+@contextlib.contextmanager
+def _exclusive(build: Path) -> Iterator[None]:
+    """One process at a time builds or loads into `build`, under a lock the kernel releases when
+    its holder dies. torch's own lock there is a file that a build killed midway (Ctrl-C at the
+    first start) leaves behind, and every later start would wait on it forever: holding ours, a
+    torch lock file is a dead builder's, and is removed."""
+    with open(build / "radixserve.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _require_native(what: str, *tensors: torch.Tensor) -> None:
+    if not _usable(*tensors):
+        raise RuntimeError(f"{what} needs the CPU extension and float32 / bfloat16 CPU tensors")
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
@@ -113,8 +155,18 @@ def decode_attention(
     v_buf: torch.Tensor,
     kv_indices: torch.Tensor,
     seq_lens: torch.Tensor,
+    fixed_order: bool = False,
 ) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]: sequence b attends to slots kv_indices[b, :seq_lens[b]]."""
+    """q [B, H, D] -> [B, H, D]: sequence b attends to slots kv_indices[b, :seq_lens[b]].
+
+    fixed_order: the extension's extend_attention arithmetic (key blocks of 32 from position 0),
+    so that a token's output is bitwise what extend_attention_native gives it at that position, in
+    any batch; needs the extension (RuntimeError without it)."""
+    if fixed_order:
+        _require_native("fixed-order decode attention", q, k_buf, v_buf)
+        return native_ops().decode_attention_fixed(
+            q, k_buf, v_buf, kv_indices.contiguous(), seq_lens.contiguous(), 1.0 / math.sqrt(q.shape[-1])
+        )
     if (
         _usable(q, k_buf, v_buf)
         and q.dtype == k_buf.dtype == v_buf.dtype
@@ -178,9 +230,21 @@ def unpack_linear_weight(wp: torch.Tensor, n: int) -> torch.Tensor:
     return wp.permute(0, 2, 1, 3).reshape(strips * GEMM_STRIP, pairs * 2)[:n]
 
 
-def packed_linear(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) with W packed by pack_linear_weight; bias float32 [N] or None."""
+def packed_linear(
+    x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None, fixed_order: bool = False
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) with W packed by pack_linear_weight; bias float32 [N] or None.
+
+    fixed_order: each output element sums over K in one order whatever the number of rows, so a
+    row's result is bitwise independent of the rows beside it (the kernel's default order depends
+    on the row tile): on AMX tiles where the CPU has them (csrc/gemm_amx.h; faster than the default
+    kernel from a few rows up), else in 4 fixed AVX512-BF16 chains. Needs the kernel (RuntimeError
+    without it)."""
     x2 = x.reshape(-1, x.shape[-1])
+    if fixed_order:
+        if not gemm_available(x2.dtype, x2.device) or wp.dtype != torch.bfloat16:
+            raise RuntimeError("the fixed-order GEMM needs bfloat16 on a CPU with AVX512-BF16")
+        return native_ops().packed_linear_fixed(x2, wp, n, bias).view(*x.shape[:-1], n)
     if (
         _usable(x2, wp)
         and x2.dtype == wp.dtype == torch.bfloat16

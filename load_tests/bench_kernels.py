@@ -129,8 +129,9 @@ def bench_decode_attention(batch: int, length: int, shared: int) -> dict[str, An
 def bench_openmp_teams(batch: int = 16, length: int = 100) -> dict[str, Any]:
     """A decode forward of the default model on the thread whose OpenMP team is the only one,
     then on a new thread while another thread's team exists."""
+    from radixserve.workers.batch_kind import BatchKind
     from radixserve.workers.mem_cache.kv_pool import KVPool
-    from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+    from radixserve.workers.models.forward_batch import ForwardBatch
     from radixserve.workers.models.loader import load_model
 
     results: dict[str, float] = {}
@@ -144,7 +145,7 @@ def bench_openmp_teams(batch: int = 16, length: int = 100) -> dict[str, Any]:
 
         def forward() -> None:
             b = ForwardBatch(
-                ForwardMode.DECODE,
+                BatchKind.DECODE,
                 torch.randint(100, 40000, (batch,)),
                 torch.full((batch,), length - 1),
                 kv[:, -1].clone(),

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import cpu_ops
+from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.models.attention import (
     CpuBackend,
@@ -19,7 +20,6 @@ from radixserve.workers.models.attention import (
     backend_name,
     get_backend,
 )
-from radixserve.workers.models.forward_batch import ForwardMode
 from tests.model_driver import make_batch
 
 torch.set_num_threads(1)
@@ -38,14 +38,14 @@ def _scatter_slots(pool: KVPool, lengths: list[int], gen: torch.Generator) -> li
     return out
 
 
-def _run(backend, mode, prefix_lens, extend_lens, heads, kv_heads, dtype, seed=0, head_dim=32):
+def _run(backend, kind, prefix_lens, extend_lens, heads, kv_heads, dtype, seed=0, head_dim=32):
     """Fill the prefixes' KV with random values, run one layer of `backend`, return (out, pool)."""
     gen = torch.Generator().manual_seed(seed)
     pool = KVPool(2, kv_heads, head_dim, 1024, dtype=dtype)
     for buf in pool.k_buffers + pool.v_buffers:
         buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
     slots = _scatter_slots(pool, [p + e for p, e in zip(prefix_lens, extend_lens)], gen)
-    batch = make_batch(mode, [[0] * e for e in extend_lens], prefix_lens, slots)
+    batch = make_batch(kind, [[0] * e for e in extend_lens], prefix_lens, slots)
     tokens = sum(extend_lens)
     q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype)
@@ -56,12 +56,12 @@ def _run(backend, mode, prefix_lens, extend_lens, heads, kv_heads, dtype, seed=0
 
 
 CASES = {
-    "extend_no_prefix_ragged": (ForwardMode.EXTEND, [0, 0, 0], [5, 1, 17]),
-    "extend_with_prefixes": (ForwardMode.EXTEND, [7, 0, 30], [4, 9, 1]),
-    "extend_single_long": (ForwardMode.EXTEND, [100], [60]),
-    "extend_many_blocks": (ForwardMode.EXTEND, [0, 45], [130, 70]),
-    "decode_ragged": (ForwardMode.DECODE, [3, 40, 0, 12], [1, 1, 1, 1]),
-    "decode_equal": (ForwardMode.DECODE, [20, 20], [1, 1]),
+    "extend_no_prefix_ragged": (BatchKind.PREFILL, [0, 0, 0], [5, 1, 17]),
+    "extend_with_prefixes": (BatchKind.PREFILL, [7, 0, 30], [4, 9, 1]),
+    "extend_single_long": (BatchKind.PREFILL, [100], [60]),
+    "extend_many_blocks": (BatchKind.PREFILL, [0, 45], [130, 70]),
+    "decode_ragged": (BatchKind.DECODE, [3, 40, 0, 12], [1, 1, 1, 1]),
+    "decode_equal": (BatchKind.DECODE, [20, 20], [1, 1]),
 }
 
 
@@ -74,10 +74,10 @@ def test_cpu_backend_matches_reference(case, heads, kv_heads, head_dim, dtype, o
         pytest.skip("C++ extension not built")
     if ops == "torch":  # the fallbacks: torch decode, SDPA extend
         monkeypatch.setattr(cpu_ops, "native_ops", lambda: None)
-    mode, prefix_lens, extend_lens = CASES[case]
-    ours, *_ = _run(CpuBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim)
+    kind, prefix_lens, extend_lens = CASES[case]
+    ours, *_ = _run(CpuBackend(), kind, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim)
     ref, *_ = _run(
-        TorchReferenceBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim
+        TorchReferenceBackend(), kind, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim
     )
     assert ours.shape == ref.shape == (sum(extend_lens), heads, head_dim)
     assert ours.dtype == dtype
@@ -92,10 +92,10 @@ def test_cpu_backend_matches_reference(case, heads, kv_heads, head_dim, dtype, o
 def test_device_backends_match_reference(case, heads, kv_heads, head_dim, dtype, name):
     """The GPU backends as the engine calls them (Triton interpreted here, on CPU tensors)."""
     backend = {"torch": TorchBackend, "triton": TritonBackend}[name]()
-    mode, prefix_lens, extend_lens = CASES[case]
-    ours, *_ = _run(backend, mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim)
+    kind, prefix_lens, extend_lens = CASES[case]
+    ours, *_ = _run(backend, kind, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim)
     ref, *_ = _run(
-        TorchReferenceBackend(), mode, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim
+        TorchReferenceBackend(), kind, prefix_lens, extend_lens, heads, kv_heads, dtype, head_dim=head_dim
     )
     assert ours.shape == ref.shape and ours.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -108,7 +108,7 @@ def test_device_backends_match_reference(case, heads, kv_heads, head_dim, dtype,
     ids=["cpu", "ref", "torch", "triton"],
 )
 def test_new_kv_written_to_out_slots_of_the_layer(backend):
-    out, pool, batch, (_, k, v) = _run(backend, ForwardMode.EXTEND, [3, 0], [2, 4], 4, 2, torch.float32)
+    out, pool, batch, (_, k, v) = _run(backend, BatchKind.PREFILL, [3, 0], [2, 4], 4, 2, torch.float32)
     torch.testing.assert_close(pool.k_buffers[1][batch.out_slots], k, atol=0, rtol=0)
     torch.testing.assert_close(pool.v_buffers[1][batch.out_slots], v, atol=0, rtol=0)
 
@@ -117,7 +117,7 @@ def test_reference_equals_dense_causal_attention():
     """A prefix-free sequence attends exactly like SDPA with is_causal and repeated kv heads."""
     heads, kv_heads, n = 6, 2, 11
     out, _, _, (q, k, v) = _run(
-        TorchReferenceBackend(), ForwardMode.EXTEND, [0], [n], heads, kv_heads, torch.float32
+        TorchReferenceBackend(), BatchKind.PREFILL, [0], [n], heads, kv_heads, torch.float32
     )
     expected = F.scaled_dot_product_attention(
         q.transpose(0, 1),
@@ -131,7 +131,7 @@ def test_reference_equals_dense_causal_attention():
 def test_reference_decode_is_softmax_over_the_whole_sequence():
     heads, kv_heads, prefix = 2, 1, 9
     out, pool, batch, (q, _, _) = _run(
-        TorchReferenceBackend(), ForwardMode.DECODE, [prefix], [1], heads, kv_heads, torch.float32
+        TorchReferenceBackend(), BatchKind.DECODE, [prefix], [1], heads, kv_heads, torch.float32
     )
     slots = batch.kv_indices[0, : prefix + 1]
     keys, values = pool.k_buffers[1][slots][:, 0], pool.v_buffers[1][slots][:, 0]

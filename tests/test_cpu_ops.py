@@ -32,6 +32,25 @@ def test_extension_builds_where_a_compiler_exists():
     assert native is not None
 
 
+def test_a_build_killed_midway_does_not_block_the_next_start(tmp_path):
+    """torch's lock file in the build directory, left by a build that was killed, is removed by
+    the next start, which holds the kernel-held lock; a second process waits on that one."""
+    import fcntl
+    import subprocess
+    import sys
+
+    (tmp_path / "lock").write_text("")
+    with cpu_ops._exclusive(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        probe = "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)"
+        held = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path / "radixserve.lock")], capture_output=True
+        )
+        assert held.returncode != 0 and b"BlockingIOError" in held.stderr
+    with open(tmp_path / "radixserve.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on leaving
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])

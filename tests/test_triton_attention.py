@@ -16,8 +16,8 @@ import torch
 from radixserve.kernels.cpu_ops import decode_attention_torch
 from radixserve.kernels.triton_ops import common, decode_attention, extend_attention
 from radixserve.kernels.varlen_attention import extend_attention_varlen, flash_attn_available
+from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.models.attention import TorchReferenceBackend
-from radixserve.workers.models.forward_batch import ForwardMode
 from tests.model_driver import make_batch
 
 CUDA = torch.cuda.is_available()
@@ -86,7 +86,7 @@ def _extend_inputs(prefix_lens, extend_lens, heads, kv_heads, head_dim, dtype, s
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     k_buf, v_buf = _pool(seq_lens, kv_heads, head_dim, dtype, gen)
     slots = _slots(seq_lens, k_buf.shape[0], gen)
-    batch = make_batch(ForwardMode.EXTEND, [[0] * e for e in extend_lens], prefix_lens, slots)
+    batch = make_batch(BatchKind.PREFILL, [[0] * e for e in extend_lens], prefix_lens, slots)
     q = torch.randn(sum(extend_lens), heads, head_dim, generator=gen).to(dtype)
     return q, k_buf, v_buf, batch
 
@@ -126,7 +126,7 @@ def _decode_inputs(seq_lens, heads, kv_heads, head_dim, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     k_buf, v_buf = _pool(seq_lens, kv_heads, head_dim, dtype, gen)
     slots = _slots(seq_lens, k_buf.shape[0], gen)
-    batch = make_batch(ForwardMode.DECODE, [[0]] * len(seq_lens), [n - 1 for n in seq_lens], slots)
+    batch = make_batch(BatchKind.DECODE, [[0]] * len(seq_lens), [n - 1 for n in seq_lens], slots)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=gen).to(dtype)
     return q, k_buf, v_buf, batch.kv_indices, batch.seq_lens
 

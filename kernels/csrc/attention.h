@@ -123,6 +123,20 @@ struct KVScratch {
   std::vector<int64_t> base, lpad;  // offset and padded length per (b, kh)
 };
 
+// One sequence's keys (transposed, [D][lp]) and values ([lp][D]) of one kv head as float32; the
+// padding past `len` must already be zero.
+template <typename E>
+void convert_seq_head(const typename E::T* k_head, const typename E::T* v_head, const int64_t* slots, int64_t len,
+                      int64_t row, int64_t dim, int64_t lp, float* kt, float* vv) {
+  for (int64_t l = 0; l < len; ++l) {
+    const typename E::T* kr = k_head + slots[l] * row;
+    const typename E::T* vr = v_head + slots[l] * row;
+    for (int64_t d = 0; d < dim; ++d) kt[d * lp + l] = E::load(kr[d]);
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) vv[l * dim + d] = E::load(vr[d]);
+  }
+}
+
 template <typename E>
 void convert_kv(const typename E::T* k_buf, const typename E::T* v_buf, const int64_t* kv_indices, int64_t width,
                 const int64_t* seq_lens, int64_t batch, int64_t kv_heads, int64_t dim, KVScratch& sc) {
@@ -141,17 +155,9 @@ void convert_kv(const typename E::T* k_buf, const typename E::T* v_buf, const in
   sc.v.assign(total, 0.f);
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, kh = item % kv_heads, lp = sc.lpad[item];
-      float* kt = sc.kt.data() + sc.base[item];
-      float* vv = sc.v.data() + sc.base[item];
-      for (int64_t l = 0; l < seq_lens[b]; ++l) {
-        const int64_t slot = kv_indices[b * width + l];
-        const typename E::T* kr = k_buf + slot * row + kh * dim;
-        const typename E::T* vr = v_buf + slot * row + kh * dim;
-        for (int64_t d = 0; d < dim; ++d) kt[d * lp + l] = E::load(kr[d]);
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) vv[l * dim + d] = E::load(vr[d]);
-      }
+      const int64_t b = item / kv_heads, kh = item % kv_heads;
+      convert_seq_head<E>(k_buf + kh * dim, v_buf + kh * dim, kv_indices + b * width, seq_lens[b], row, dim,
+                          sc.lpad[item], sc.kt.data() + sc.base[item], sc.v.data() + sc.base[item]);
     }
   });
 }
@@ -320,10 +326,110 @@ void extend_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
   });
 }
 
+// Decode through extend's arithmetic: a token's output is bitwise the one extend_block gives it
+// at the same position, whatever the batch. The same steps in the same order: q scaled to float32,
+// key blocks of kKB from position 0, each through attend_rows (the same code: per row it computes
+// the same whatever R is), then acc / den. Only where K/V come from differs: each block is
+// converted into an L1-sized scratch (K transposed, V as rows) as convert_kv lays them out, instead
+// of the whole sequence at once, and the G query heads of a kv head share each block.
+template <typename E, int DIM, int G>
+void decode_fixed_item(const typename E::T* q, int64_t q_stride_h, const typename E::T* k_head,
+                       const typename E::T* v_head, const int64_t* slots, int64_t len, int64_t row, int64_t dim_rt,
+                       float scale, typename E::T* out, float* kt, float* vv) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt;
+  float qf[G * (DIM > 0 ? DIM : 256)];
+  float acc[G * (DIM > 0 ? DIM : 256)];
+  float mx[G], den[G];
+  for (int g = 0; g < G; ++g) {
+    const typename E::T* qr = q + g * q_stride_h;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = E::load(qr[d]) * scale;
+    for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] = 0.f;
+    mx[g] = -std::numeric_limits<float>::infinity();
+    den[g] = 0.f;
+  }
+  int64_t visible[G];
+  for (int64_t k0 = 0; k0 < len; k0 += kKB) {
+    const int64_t nb = std::min<int64_t>(kKB, len - k0);
+    for (int64_t j = 0; j < kKB; ++j) {
+      if (j < nb) {
+        const typename E::T* kr = k_head + slots[k0 + j] * row;
+        const typename E::T* vr = v_head + slots[k0 + j] * row;
+        for (int64_t d = 0; d < dim; ++d) kt[d * kKB + j] = E::load(kr[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) vv[j * dim + d] = E::load(vr[d]);
+      } else {
+        for (int64_t d = 0; d < dim; ++d) kt[d * kKB + j] = 0.f;
+        for (int64_t d = 0; d < dim; ++d) vv[j * dim + d] = 0.f;
+      }
+    }
+    for (int g = 0; g < G; ++g) visible[g] = nb;
+    attend_rows<DIM, G>(qf, acc, mx, den, kt, vv, kKB, 0, visible, dim);
+  }
+  for (int g = 0; g < G; ++g) {
+    typename E::T* o = out + g * dim;
+    const float inv = 1.f / den[g];
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) o[d] = E::store(acc[g * dim + d] * inv);
+  }
+}
+
+template <typename E, int DIM>
+using DecodeFixedFn = void (*)(const typename E::T*, int64_t, const typename E::T*, const typename E::T*,
+                               const int64_t*, int64_t, int64_t, int64_t, float, typename E::T*, float*, float*);
+
+template <typename E, int DIM, int... Gs>
+constexpr std::array<DecodeFixedFn<E, DIM>, sizeof...(Gs)> decode_fixed_table(std::integer_sequence<int, Gs...>) {
+  return {&decode_fixed_item<E, DIM, Gs + 1>...};
+}
+
+template <typename E, int DIM>
+void decode_fixed_rows(const typename E::T* q, int64_t q_stride_t, int64_t q_stride_h, const typename E::T* k_buf,
+                       const typename E::T* v_buf, const int64_t* kv_indices, int64_t width, const int64_t* seq_lens,
+                       typename E::T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
+  static constexpr auto kFns = decode_fixed_table<E, DIM>(std::make_integer_sequence<int, 8>{});
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * dim;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(kKB * dim), vv(kKB * dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, kh = item % kv_heads;
+      const auto* qb = q + b * q_stride_t + kh * group * q_stride_h;
+      auto* ob = out + (b * heads + kh * group) * dim;
+      for (int64_t g0 = 0; g0 < group; g0 += 8) {  // groups above 8 in parts of 8
+        const int64_t gn = std::min<int64_t>(8, group - g0);
+        kFns[gn - 1](qb + g0 * q_stride_h, q_stride_h, k_buf + kh * dim, v_buf + kh * dim, kv_indices + b * width,
+                     seq_lens[b], row, dim, scale, ob + g0 * dim, kt.data(), vv.data());
+      }
+    }
+  });
+}
+
+template <typename E>
+void decode_attention_fixed_impl(const typename E::T* q, int64_t q_stride_t, int64_t q_stride_h,
+                                 const typename E::T* k_buf, const typename E::T* v_buf, const int64_t* kv_indices,
+                                 int64_t width, const int64_t* seq_lens, typename E::T* out, int64_t batch,
+                                 int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
+  TORCH_CHECK(dim <= 256, "fixed-order decode attention takes head sizes up to 256");
+  if (dim == 64) {
+    decode_fixed_rows<E, 64>(q, q_stride_t, q_stride_h, k_buf, v_buf, kv_indices, width, seq_lens, out, batch, heads,
+                             kv_heads, dim, scale);
+  } else if (dim == 128) {
+    decode_fixed_rows<E, 128>(q, q_stride_t, q_stride_h, k_buf, v_buf, kv_indices, width, seq_lens, out, batch, heads,
+                              kv_heads, dim, scale);
+  } else {
+    decode_fixed_rows<E, 0>(q, q_stride_t, q_stride_h, k_buf, v_buf, kv_indices, width, seq_lens, out, batch, heads,
+                            kv_heads, dim, scale);
+  }
+}
+
 }  // namespace
 
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
-                               const torch::Tensor& kv_indices, const torch::Tensor& seq_lens, double scale) {
+// Both decode entry points: the same checks and launch; `fixed` picks the key-block arithmetic of
+// extend_attention (the batch-invariant variant) over the fused one.
+inline torch::Tensor run_decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf,
+                                          const torch::Tensor& v_buf, const torch::Tensor& kv_indices,
+                                          const torch::Tensor& seq_lens, double scale, bool fixed) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.dim() == 3, "K/V buffers must be contiguous");
   TORCH_CHECK(k_buf.scalar_type() == q.scalar_type() && v_buf.scalar_type() == q.scalar_type(), "dtype mismatch");
@@ -334,13 +440,23 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_bu
   auto out = torch::empty({batch, heads, dim}, q.options());
   dispatch(q.scalar_type(), [&](auto e) {
     using E = decltype(e);
-    decode_attention_impl<E>(ptr<E>(q), q.stride(0), q.stride(1), ptr<E>(k_buf), ptr<E>(v_buf),
-                             kv_indices.data_ptr<int64_t>(), kv_indices.size(1), seq_lens.data_ptr<int64_t>(),
-                             ptr<E>(out), batch, heads, kv_heads, dim, static_cast<float>(scale));
+    auto impl = fixed ? decode_attention_fixed_impl<E> : decode_attention_impl<E>;
+    impl(ptr<E>(q), q.stride(0), q.stride(1), ptr<E>(k_buf), ptr<E>(v_buf), kv_indices.data_ptr<int64_t>(),
+         kv_indices.size(1), seq_lens.data_ptr<int64_t>(), ptr<E>(out), batch, heads, kv_heads, dim,
+         static_cast<float>(scale));
   });
   return out;
 }
 
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
+                               const torch::Tensor& kv_indices, const torch::Tensor& seq_lens, double scale) {
+  return run_decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale, false);
+}
+
+torch::Tensor decode_attention_fixed(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
+                                     const torch::Tensor& kv_indices, const torch::Tensor& seq_lens, double scale) {
+  return run_decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale, true);
+}
 
 torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
                                const torch::Tensor& kv_indices, const torch::Tensor& seq_lens, const torch::Tensor& cu,

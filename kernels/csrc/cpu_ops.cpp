@@ -6,6 +6,7 @@
 #include "attention.h"
 #include "elementwise.h"
 #include "gemm.h"
+#include "int8_gemm.h"
 
 using namespace radixserve;
 
@@ -19,6 +20,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [T, 2I]", release());
   m.def("extend_attention", &extend_attention, "causal prefill attention over paged K/V, whole batch", release());
   m.def("gemm_available", &gemm_available, "whether packed_linear was built (AVX512-BF16)");
-  m.def("packed_linear", &packed_linear, "bf16 x @ W^T (+ bias) with W packed by pack_linear_weight", release());
+  m.def(
+      "fixed_gemm_uses_amx",
+      [] {
+#if defined(RADIXSERVE_HAVE_AMX)
+        return amx_usable();
+#else
+        return false;
+#endif
+      },
+      "whether packed_linear_fixed runs on AMX tiles (else on AVX512-BF16 chains)");
+  m.def(
+      "packed_linear",
+      [](const torch::Tensor& x, const torch::Tensor& wp, int64_t n, const c10::optional<torch::Tensor>& bias) {
+        return packed_linear(x, wp, n, bias, false);
+      },
+      "bf16 x @ W^T (+ bias) with W packed by pack_linear_weight", release());
+  m.def(
+      "packed_linear_fixed",
+      [](const torch::Tensor& x, const torch::Tensor& wp, int64_t n, const c10::optional<torch::Tensor>& bias) {
+        return packed_linear(x, wp, n, bias, true);
+      },
+      "packed_linear with a K reduction order that does not depend on the row count", release());
+  m.def(
+      "packed_linear_fixed_chains",
+      [](const torch::Tensor& x, const torch::Tensor& wp, int64_t n, const c10::optional<torch::Tensor>& bias) {
+        return packed_linear(x, wp, n, bias, true, false);
+      },
+      "packed_linear_fixed on the AVX512-BF16 chains even where AMX is there", release());
+  m.def("int8_linear", &int8_linear, "x @ (int8 W * per-row scale)^T (+ bias), W widened in registers", release());
   m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over paged K/V", release());
+  m.def("decode_attention_fixed", &decode_attention_fixed,
+        "decode attention with extend_attention's arithmetic (key blocks from position 0)", release());
 }

@@ -11,6 +11,7 @@
 //   wp[b][p][j][0..1] = W[16b + j][2p], W[16b + j][2p + 1]   (zero rows pad N to a multiple of 16)
 
 #include "common.h"
+#include "gemm_amx.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -84,6 +85,18 @@ inline void strip_rows(const int32_t* xq, const uint16_t* wp, int64_t pairs, con
   strip_tile<MT, KC>(xq, wp, pairs, bias, y, ldy, cols);
 }
 
+// The fixed-order variant: every row sums its K pairs in kFixedChains interleaved chains (pair p
+// into chain p % kFixedChains, the tail into chain 0), added in chain order, whatever the row count.
+// Tiles of kFixedTile rows keep kFixedTile * kFixedChains = 16 accumulators in registers.
+constexpr int kFixedChains = 4;
+constexpr int64_t kFixedTile = 16 / kFixedChains;
+
+template <int MT>
+inline void strip_rows_fixed(const int32_t* xq, const uint16_t* wp, int64_t pairs, const float* bias,
+                             uint16_t* y, int64_t ldy, int64_t cols) {
+  strip_tile<MT, kFixedChains>(xq, wp, pairs, bias, y, ldy, cols);
+}
+
 using StripFn = void (*)(const int32_t*, const uint16_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
 
 // Rows [r0, r0 + rows) of x as k pairs interleaved by row, [ceil(rows/16)][K/2][16] int32: the
@@ -106,12 +119,26 @@ constexpr std::array<StripFn, sizeof...(MTs)> strip_table(std::integer_sequence<
 
 const auto kStripFns = strip_table(std::make_integer_sequence<int, kRowTile>{});
 
+template <int... MTs>
+constexpr std::array<StripFn, sizeof...(MTs)> fixed_strip_table(std::integer_sequence<int, MTs...>) {
+  return {&strip_rows_fixed<MTs + 1>...};
+}
+
+const auto kFixedStripFns = fixed_strip_table(std::make_integer_sequence<int, kFixedTile>{});
+
 }  // namespace
 #endif
 
 // x [M, K] bf16 (rows contiguous), wp packed as above, n = N, bias [N] float32 or undefined.
+// fixed_order: each output element's K reduction is the same for every M, so a row's result does
+// not depend on the rows beside it: AMX tiles where the CPU has them (gemm_amx.h), else the
+// kFixedChains chains above; one of the two for the whole process. Otherwise the number of chains
+// follows the row tile (more chains for fewer rows: faster at decode sizes) and a row's rounding
+// depends on M.
+// allow_amx false keeps the fixed order on the AVX512-BF16 chains (tests check both variants).
 inline torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t n,
-                                   const c10::optional<torch::Tensor>& bias) {
+                                   const c10::optional<torch::Tensor>& bias, bool fixed_order,
+                                   bool allow_amx = true) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16 rows");
   TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.scalar_type() == at::kBFloat16 && wp.size(2) == kStrip &&
@@ -129,6 +156,12 @@ inline torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& 
   const auto* wd = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t ldx = x.stride(0);
+#if defined(RADIXSERVE_HAVE_AMX)
+  if (fixed_order && allow_amx && amx_usable()) {
+    packed_linear_amx(xd, ldx, wd, m, k, n, strips, b, yd);
+    return y;
+  }
+#endif
   std::vector<int32_t> xq(static_cast<size_t>((std::min(kRowChunk, m) + kRowTile - 1) / kRowTile * kRowTile * pairs));
   for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
     const int64_t rows = std::min(kRowChunk, m - m0);
@@ -136,10 +169,21 @@ inline torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& 
     at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t col = s * kStrip, cols = std::min(kStrip, n - col);
-        for (int64_t r = 0; r < rows; r += kRowTile) {
-          const int64_t mt = std::min(kRowTile, rows - r);
-          kStripFns[mt - 1](xq.data() + r * pairs, wd + s * pairs * 2 * kStrip, pairs,
-                            b != nullptr ? b + col : nullptr, yd + (m0 + r) * n + col, n, cols);
+        const uint16_t* ws = wd + s * pairs * 2 * kStrip;
+        const float* bs = b != nullptr ? b + col : nullptr;
+        if (fixed_order) {
+          // Sub-tiles of a 16-row interleaved tile: row r's k pair p is at (r / 16) * pairs * 16 +
+          // p * 16 + r % 16, so a sub-tile starts r % 16 entries into its tile.
+          for (int64_t r = 0; r < rows; r += kFixedTile) {
+            const int64_t mt = std::min(kFixedTile, rows - r);
+            kFixedStripFns[mt - 1](xq.data() + (r / kRowTile) * pairs * kRowTile + r % kRowTile, ws, pairs, bs,
+                                   yd + (m0 + r) * n + col, n, cols);
+          }
+        } else {
+          for (int64_t r = 0; r < rows; r += kRowTile) {
+            const int64_t mt = std::min(kRowTile, rows - r);
+            kStripFns[mt - 1](xq.data() + r * pairs, ws, pairs, bs, yd + (m0 + r) * n + col, n, cols);
+          }
         }
       }
     });

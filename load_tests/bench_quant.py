@@ -1,0 +1,168 @@
+"""Quantized weights against the unquantized model, side by side in one run on one model
+(default: the embedded SmolLM2-135M-Instruct): weight memory, decode tokens per second at batch 1
+and 16, perplexity over a fixed text (the first --ppl-tokens tokens of the Python distribution's
+pydoc_data/topics.py, the reference manual's topics that ship with it, scored in windows of --window tokens), and greedy agreement (the share of 64 fixed
+prompts whose 32 greedy tokens equal the reference's, and the mean matched-prefix length).
+
+    python -m load_tests.bench_quant [--model PATH] [--dtype auto] [--quantization int8]
+    python -m load_tests.bench_quant --crossover   # fused int8 kernel vs dequantize + GEMM, per rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels import cpu_ops, int8_ops
+from radixserve.workers.batch_kind import BatchKind
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.models.forward_batch import ForwardBatch
+from radixserve.workers.models.loader import LoadedModel, load_model
+
+
+def batch_of(
+    kind: BatchKind, tokens: list[list[int]], starts: list[int], slots: list[list[int]], all_rows=False
+):
+    ext = [len(t) for t in tokens]
+    seq = [s + e for s, e in zip(starts, ext)]
+    kv = torch.zeros(len(tokens), max(seq), dtype=torch.int64)
+    for i, s in enumerate(slots):
+        kv[i, : seq[i]] = torch.tensor(s[: seq[i]])
+    ends = torch.tensor(ext).cumsum(0)
+    return ForwardBatch(
+        kind=kind,
+        input_ids=torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64),
+        positions=torch.tensor([s + j for s, e in zip(starts, ext) for j in range(e)], dtype=torch.int64),
+        out_slots=torch.tensor(
+            [sl[s + j] for sl, s, e in zip(slots, starts, ext) for j in range(e)], dtype=torch.int64
+        ),
+        seq_lens=torch.tensor(seq, dtype=torch.int64),
+        extend_lens=torch.tensor(ext, dtype=torch.int64),
+        kv_indices=kv,
+        logits_indices=torch.arange(int(ends[-1])) if all_rows else ends - 1,
+        seq_lens_list=seq,
+        extend_lens_list=ext,
+    )
+
+
+class Runner:
+    def __init__(self, loaded: LoadedModel, slots: int = 8192):
+        c = loaded.config
+        self.model = loaded.model
+        self.pool = KVPool(c.num_layers, loaded.local_kv_heads, c.head_dim, slots, dtype=c.dtype)
+
+    def weight_bytes(self) -> int:
+        seen = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        return sum(seen.values())
+
+    def greedy(self, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
+        """Greedy tokens of every prompt (batched), and decode tokens per second."""
+        slots = [self.pool.alloc(len(p) + new) for p in prompts]
+        out = self.model(batch_of(BatchKind.PREFILL, prompts, [0] * len(prompts), slots), self.pool)
+        tokens = [[int(t)] for t in out.argmax(-1)]
+        start = time.perf_counter()
+        for step in range(1, new):
+            lens = [len(p) + step - 1 for p in prompts]
+            batch = batch_of(BatchKind.DECODE, [[t[-1]] for t in tokens], lens, slots)
+            for t, n in zip(tokens, self.model(batch, self.pool).argmax(-1).tolist()):
+                t.append(int(n))
+        rate = len(prompts) * (new - 1) / (time.perf_counter() - start)
+        for s in slots:
+            self.pool.free(s)
+        return tokens, rate
+
+    def perplexity(self, ids: list[int], window: int) -> float:
+        nll, count = 0.0, 0
+        for lo in range(0, len(ids) - 1, window):
+            piece = ids[lo : lo + window + 1]
+            slots = self.pool.alloc(len(piece) - 1)
+            logits = self.model(batch_of(BatchKind.PREFILL, [piece[:-1]], [0], [slots], True), self.pool)
+            self.pool.free(slots)
+            nll += F.cross_entropy(logits.float(), torch.tensor(piece[1:]), reduction="sum").item()
+            count += len(piece) - 1
+        return math.exp(nll / count)
+
+
+def fixed_text() -> str:
+    import pydoc_data.topics
+
+    return Path(pydoc_data.topics.__file__).read_text()[:200_000]
+
+
+def measure(loaded: LoadedModel, ids: list[int], prompts: list[list[int]], args) -> dict:
+    r = Runner(loaded)
+    r.greedy(prompts[:1], 4)  # warm-up
+    _, b1 = r.greedy(prompts[:1], args.decode_tokens)
+    _, b16 = r.greedy(prompts[:16], args.decode_tokens)
+    tokens, _ = r.greedy(prompts, 32)
+    return {
+        "bytes": r.weight_bytes(),
+        "b1": b1,
+        "b16": b16,
+        "ppl": r.perplexity(ids, args.window),
+        "tokens": tokens,
+    }
+
+
+def crossover() -> None:
+    if cpu_ops.native_ops() is None:
+        raise SystemExit("the crossover needs the CPU extension")
+    for n, k in ((960, 576), (3072, 576), (576, 1536)):
+        wq, scale = int8_ops.quantize_int8(torch.randn(n, k))
+        for rows in (1, 4, 8, 16, 32, 64):
+            x = torch.randn(rows, k)
+            times = []
+            for below in (sys.maxsize, 0):  # every row count fused, then none
+                int8_ops.int8_linear(x, wq, scale, None, below)
+                t0 = time.perf_counter()
+                for _ in range(100):
+                    int8_ops.int8_linear(x, wq, scale, None, below)
+                times.append((time.perf_counter() - t0) * 1e4)
+            print(f"N={n} K={k} rows={rows:3d}: fused {times[0]:7.0f} us  dequant+gemm {times[1]:7.0f} us")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="int8")
+    p.add_argument("--ppl-tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--crossover", action="store_true")
+    args = p.parse_args()
+    if args.crossover:
+        return crossover()
+    ref = load_model(args.model, args.dtype)
+    ids = ref.tokenizer(fixed_text())["input_ids"]
+    text_ids, rest = ids[: args.ppl_tokens], ids[args.ppl_tokens :]
+    prompts = [rest[16 * i : 16 * i + 16] for i in range(64)]
+    base = measure(ref, text_ids, prompts, args)
+    del ref
+    quant = measure(
+        load_model(args.model, args.dtype, quantization=args.quantization), text_ids, prompts, args
+    )
+    same = sum(a == b for a, b in zip(quant["tokens"], base["tokens"]))
+    prefix = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 32)
+        for a, b in zip(quant["tokens"], base["tokens"])
+    ]
+    print(f"{'':14s}{'reference':>12s}{args.quantization:>12s}{'ratio':>8s}")
+    print(
+        f"{'weights MB':14s}{base['bytes'] / 1e6:12.1f}{quant['bytes'] / 1e6:12.1f}{quant['bytes'] / base['bytes']:8.3f}"
+    )
+    for key, name in (("b1", "decode b1 t/s"), ("b16", "decode b16 t/s"), ("ppl", "perplexity")):
+        print(f"{name:14s}{base[key]:12.2f}{quant[key]:12.2f}{quant[key] / base[key]:8.3f}")
+    print(
+        f"greedy agreement: {same}/64 prompts identical over 32 tokens, mean matched prefix {sum(prefix) / 64:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
