@@ -1,0 +1,116 @@
+"""DiskTier: KV pages spilled from a host pool to files on local disk, under a byte budget.
+
+`spill(pool, slots)` writes the K/V of a pool's slots (every layer) to one file and returns its
+key; `fetch(key, pool, slots)` reads it back into slots the caller owns; `drop(key)` deletes it.
+Each file carries a SHA-256 of its payload and its length, checked on every read. Which runs to
+spill or drop, and in which order, is the caller's (the tree that indexes them keeps the LRU);
+the tier only refuses a spill past its budget.
+
+Failure contract: the disk never makes a wrong token. A spill that cannot be written (budget
+spent, disk full, directory gone) returns None and leaves no file; a fetch whose file is missing,
+short or fails its checksum returns False and forgets the key. Both log one warning line, and the
+caller recomputes instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import struct
+
+import torch
+
+from radixserve.workers.mem_cache.kv_pool import KVPool
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<32sQ")  # sha256 of the payload, payload length
+
+
+class DiskTier:
+    def __init__(self, directory: str, max_bytes: int):
+        self.directory = directory
+        self.max_bytes = max_bytes
+        os.makedirs(directory, exist_ok=True)
+        self._sizes: dict[int, int] = {}
+        self._ids = itertools.count(1)
+        self.used_bytes = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.failures = 0
+
+    def _path(self, key: int) -> str:
+        return os.path.join(self.directory, f"{key}.kv")
+
+    def spill(self, pool: KVPool, slots: list[int]) -> int | None:
+        """Write the K/V of `slots` to a new file: its key, or None when it cannot be written."""
+        idx = torch.tensor(slots, dtype=torch.long)
+        parts = [
+            buf.index_select(0, idx).contiguous().view(torch.uint8) for buf in pool.k_buffers + pool.v_buffers
+        ]
+        payload = b"".join(p.numpy().tobytes() for p in parts)
+        size = _HEADER.size + len(payload)
+        if self.used_bytes + size > self.max_bytes:
+            return None
+        key = next(self._ids)
+        tmp = self._path(key) + ".tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(hashlib.sha256(payload).digest(), len(payload)))
+                f.write(payload)
+            os.replace(tmp, self._path(key))
+        except OSError as e:
+            self.failures += 1
+            log.warning("disk tier: spill of %d tokens failed (%s); they will be recomputed", len(slots), e)
+            _remove(tmp)
+            return None
+        self._sizes[key] = size
+        self.used_bytes += size
+        self.bytes_written += size
+        return key
+
+    def fetch(self, key: int, pool: KVPool, slots: list[int]) -> bool:
+        """Read file `key` into `slots` of `pool`; False (key forgotten) if it is not intact."""
+        if key not in self._sizes:
+            return False
+        try:
+            with open(self._path(key), "rb") as f:
+                data = f.read()
+            digest, length = _HEADER.unpack_from(data)
+            payload = data[_HEADER.size :]
+            if len(payload) != length or hashlib.sha256(payload).digest() != digest:
+                raise ValueError("checksum mismatch")
+            bufs = pool.k_buffers + pool.v_buffers
+            row = bufs[0][0].numel() * bufs[0].element_size()
+            if length != len(bufs) * len(slots) * row:
+                raise ValueError(f"{length} bytes for {len(slots)} slots")
+        except (OSError, ValueError, struct.error) as e:
+            self.failures += 1
+            log.warning("disk tier: file %d unreadable (%s); its tokens will be recomputed", key, e)
+            self.drop(key)
+            return False
+        idx = torch.tensor(slots, dtype=torch.long)
+        per_buf = len(slots) * row
+        for i, buf in enumerate(bufs):
+            raw = torch.frombuffer(bytearray(payload[i * per_buf : (i + 1) * per_buf]), dtype=torch.uint8)
+            buf.index_copy_(0, idx, raw.view(buf.dtype).view(len(slots), *buf.shape[1:]))
+        self.bytes_read += len(data)
+        return True
+
+    def drop(self, key: int) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self.used_bytes -= size
+            _remove(self._path(key))
+
+    def keys(self) -> list[int]:
+        return list(self._sizes)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
