@@ -123,7 +123,23 @@ REGEXES = [
     "(?=a)b",
     "x" * 5000,
 ]
-EBNFS = ['root ::= "yes" | "no"', "root ::=", "garbage", "root ::= [a-z]+", 'root ::= root "a"', "a ::= b"]
+EBNFS = [
+    'root ::= "yes" | "no"',
+    "root ::=",
+    "garbage",
+    "root ::= [a-z]+",
+    'root ::= root "a"',
+    "a ::= b",
+    # Continuations forced forever, at once or after a choice: jump-forward must stay bounded.
+    'root ::= "a" root',
+    'root ::= "x" | "y" tail\ntail ::= "ab" tail',
+    'root ::= "{" root "}"',
+]
+# Schemas whose required property is the schema again: no finite JSON matches them.
+FORCED_FOREVER_SCHEMAS = [
+    {"type": "object", "required": ["next"], "properties": {"next": {"$ref": "#"}}},
+    {"type": "array", "minItems": 1, "items": {"$ref": "#"}},
+]
 
 
 def deep(kind: str, depth: int) -> dict:
@@ -155,6 +171,7 @@ schema = st.recursive(
                 {},
                 deep("array", 40),
                 deep("anyOf", 40),
+                *FORCED_FOREVER_SCHEMAS,
             ]
         ),
         junk,
@@ -256,8 +273,54 @@ content = st.one_of(
     ),
     st.none(),
 )
+function_name = st.one_of(st.sampled_from(["get_weather", "f", "bad name", ""]), text)
+tool_call = st.fixed_dictionaries(
+    {
+        "id": sometimes_junk(text),
+        "type": st.sampled_from(["function", "other"]),
+        "function": st.fixed_dictionaries(
+            {
+                "name": function_name,
+                "arguments": st.one_of(
+                    st.sampled_from(['{"city": "Paris"}', "{}", "[1]", "{oops", '"<|im_end|>"']),
+                    schema.map(json.dumps),
+                    junk,
+                ),
+            }
+        ),
+    }
+)
 message = st.fixed_dictionaries(
-    {"role": role, "content": content}, optional={"name": sometimes_junk(text), "tool_call_id": junk}
+    {"role": role, "content": content},
+    optional={
+        "name": sometimes_junk(text),
+        "tool_call_id": sometimes_junk(text),
+        "tool_calls": st.one_of(st.lists(tool_call, max_size=2), junk),
+    },
+)
+tool = st.fixed_dictionaries(
+    {
+        "type": sometimes_junk(st.just("function")),
+        "function": st.fixed_dictionaries(
+            {"name": function_name},
+            optional={
+                "description": sometimes_junk(text),
+                "parameters": st.one_of(
+                    schema.map(
+                        lambda s: {"type": "object", "properties": {"a": s}} if isinstance(s, dict) else s
+                    ),
+                    schema,
+                    junk,
+                ),
+                "strict": sometimes_junk(st.booleans()),
+            },
+        ),
+    }
+)
+tool_choice = st.one_of(
+    st.sampled_from(["none", "auto", "required", "any"]),
+    st.builds(lambda n: {"type": "function", "function": {"name": n}}, function_name),
+    junk,
 )
 messages = st.one_of(st.lists(message, min_size=1, max_size=3), st.lists(message, max_size=3), junk)
 response_format = st.one_of(
@@ -274,6 +337,15 @@ response_format = st.one_of(
     junk,
 )
 
+template_kwargs = st.one_of(
+    st.dictionaries(
+        st.one_of(st.sampled_from(["enable_thinking", "messages", "add_generation_prompt", "tools"]), text),
+        junk,
+        max_size=3,
+    ),
+    junk,
+)
+
 chat_body = st.fixed_dictionaries(
     {"messages": messages},
     optional={
@@ -283,7 +355,10 @@ chat_body = st.fixed_dictionaries(
         "logprobs": sometimes_junk(st.booleans()),
         "top_logprobs": st.one_of(st.integers(0, 21), number),
         "response_format": response_format,
-        "tool_choice": st.one_of(st.just("none"), junk),
+        "tools": st.one_of(st.lists(tool, max_size=3), junk),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": sometimes_junk(st.booleans()),
+        "chat_template_kwargs": template_kwargs,
     },
 ).map(lambda b: b if "max_tokens" in b or "max_completion_tokens" in b else {**b, "max_tokens": 2})
 
@@ -315,6 +390,7 @@ native_params = st.one_of(
             "logit_bias": st.one_of(logit_bias, st.lists(st.tuples(token_id, number), max_size=2), junk),
             "logprobs": junk,
             "top_logprobs": st.one_of(st.integers(0, 21), number),
+            "logprob_start_len": st.one_of(st.integers(-2, 10), number),
             "not_a_param": junk,
         },
     ),
@@ -323,18 +399,30 @@ native_params = st.one_of(
 generate_body = st.fixed_dictionaries(
     {},
     optional={
-        "text": sometimes_junk(text),
-        "input_ids": sometimes_junk(st.lists(token_id, max_size=8)),
-        "sampling_params": native_params,
+        "text": sometimes_junk(st.one_of(text, st.lists(text, max_size=3))),
+        "input_ids": sometimes_junk(
+            st.one_of(st.lists(token_id, max_size=8), st.lists(st.lists(token_id, max_size=4), max_size=3))
+        ),
+        "sampling_params": st.one_of(native_params, st.lists(native_params, max_size=3)),
         "stream": sometimes_junk(st.booleans()),
         "return_logprob": sometimes_junk(st.booleans()),
+        "logprob_start_len": st.one_of(st.integers(-2, 10), number, junk),
         "top_logprobs_num": st.one_of(st.integers(-1, 21), number),
+        "return_text_in_logprobs": sometimes_junk(st.booleans()),
         "rid": sometimes_junk(text),
         "extra": junk,
     },
 ).map(
     lambda b: (
-        b if isinstance(b.get("sampling_params"), dict) else {**b, "sampling_params": {"max_new_tokens": 2}}
+        b
+        if isinstance(b.get("sampling_params"), (dict, list))
+        and all(
+            isinstance(p, dict)
+            for p in (
+                b["sampling_params"] if isinstance(b["sampling_params"], list) else [b["sampling_params"]]
+            )
+        )
+        else {**b, "sampling_params": {"max_new_tokens": 2}}
     )
 )
 
@@ -345,6 +433,8 @@ tokenize_body = st.fixed_dictionaries(
         "messages": messages,
         "add_special_tokens": sometimes_junk(st.booleans()),
         "model": junk,
+        "tools": st.one_of(st.lists(tool, max_size=3), junk),
+        "chat_template_kwargs": template_kwargs,
     },
 )
 detokenize_body = st.fixed_dictionaries(
@@ -400,14 +490,24 @@ plausible_generate = st.builds(
     st.one_of(
         st.fixed_dictionaries({"text": text.filter(bool)}),
         st.fixed_dictionaries({"input_ids": st.lists(st.integers(0, 49151), min_size=1, max_size=8)}),
+        st.fixed_dictionaries({"text": st.lists(text.filter(bool), min_size=1, max_size=3)}),
+        st.fixed_dictionaries(
+            {
+                "input_ids": st.lists(
+                    st.lists(st.integers(0, 49151), min_size=1, max_size=4), min_size=1, max_size=3
+                )
+            }
+        ),
     ),
-    plausible_native,
+    st.one_of(plausible_native, st.lists(plausible_native, min_size=1, max_size=3)),
     st.fixed_dictionaries(
         {},
         optional={
             "stream": st.booleans(),
             "return_logprob": st.booleans(),
+            "logprob_start_len": st.integers(-1, 6),
             "top_logprobs_num": st.integers(0, 20),
+            "return_text_in_logprobs": st.booleans(),
         },
     ),
 )
@@ -434,6 +534,20 @@ RAW = [
     b'{"prompt": "' + b"\\ud800" * 10 + b'", "max_tokens": 1}',
     b'{"text": "a", "sampling_params": {"max_new_tokens": 1, "temperature": 1' + b"0" * 500 + b"}}",
     b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
+    # Grammars forcing their continuation forever, on each route's own field for them.
+    *(
+        json.dumps(body).encode()
+        for grammar in (
+            {"ebnf": 'root ::= "a" root'},
+            {"ebnf": 'root ::= "x" | "y" tail\ntail ::= "ab" tail'},
+            *({"json_schema": json.dumps(schema)} for schema in FORCED_FOREVER_SCHEMAS),
+        )
+        for body in (
+            {"messages": [{"role": "user", "content": "go"}], "max_tokens": 30, **grammar},
+            {"prompt": "go", "max_tokens": 30, **grammar},
+            {"text": "go", "sampling_params": {"max_new_tokens": 30, **grammar}},
+        )
+    ),
 ]
 raw_request = st.tuples(
     st.sampled_from(["POST", "POST", "GET", "PUT", "DELETE"]),
@@ -449,7 +563,9 @@ raw_request = st.tuples(
 # The server ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def url():
-    with running_app({"max_total_tokens": KV_TOTAL, "num_threads": 2, "api_key": KEY}) as base:
+    # deepseek-r1: every grammar the fuzzer sends is composed after a thinking block.
+    args = {"max_total_tokens": KV_TOTAL, "num_threads": 2, "api_key": KEY, "reasoning_parser": "deepseek-r1"}
+    with running_app(args) as base:
         yield base
 
 
@@ -555,6 +671,27 @@ def test_every_raw_edge_body_on_every_route(http, reference):
     for path in ROUTES:
         for content in RAW:
             check(send(http, "POST", path, content), (path, content[:80]))
+    wait_idle(http, KV_TOTAL)
+
+
+def test_the_thinking_comes_apart_from_the_answer(http):
+    """deepseek-r1: the output begins inside the thinking, so what SmolLM2 writes before any
+    </think> is reasoning; the body and the stream split it alike, and usage counts it."""
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16, "temperature": 0}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    message, usage = r.json()["choices"][0]["message"], r.json()["usage"]
+    assert message["reasoning_content"] and message["reasoning"] == message["reasoning_content"]
+    assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] <= usage["completion_tokens"]
+    r = http.post("/v1/chat/completions", json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    deltas = [
+        json.loads(e)["choices"][0]["delta"]
+        for e in sse_events(r.text)
+        if e != "[DONE]" and json.loads(e)["choices"]
+    ]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
     wait_idle(http, KV_TOTAL)
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from radixserve.workers.engine.detokenizer import IncrementalDetokenizer
+from radixserve.workers.engine.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -186,3 +186,47 @@ def test_each_step_decodes_a_small_window(tok, prompt):
     assert len(ids) > 400
     assert max(counting.sizes) <= 8  # the longest character here is 3 tokens, plus the prefix
     assert len(counting.sizes) == 2 * len(ids)
+
+
+def _lone_continuation_bytes(tok, count: int) -> list[int]:
+    """Tokens of a single UTF-8 continuation byte (0x80), no character on its own."""
+    lead, lone = tok.encode("\u0080")  # b"\xc2\x80", a byte a token
+    assert tok.decode([lone]) == "\ufffd" and tok.decode([lead, lone]) == "\u0080"
+    return [lone] * count
+
+
+def test_a_run_of_bytes_that_form_no_character_keeps_the_window_small(tok, prompt):
+    """Without a bound each token of such a run widens the decoded window: quadratic work."""
+    ids = _lone_continuation_bytes(tok, 600)
+    counting = CountingTokenizer(tok)
+    deltas, _ = stream(counting, prompt, ids)
+    assert "".join(deltas) == tok.decode(ids) == "\ufffd" * 600
+    assert max(counting.sizes) <= 5 + MAX_HELD_TOKENS  # 5 tokens of context (the prompt) at most
+    assert sum(1 for d in deltas if d) > 600 - 2 * MAX_HELD_TOKENS  # released as it comes
+
+
+def test_a_stop_string_of_u_fffd_is_a_stop(tok, prompt):
+    ids = tok.encode("ok 🎉")[:-1]  # ends inside the emoji: decodes to U+FFFD at the end
+    detok = IncrementalDetokenizer(tok, prompt, stop=("\ufffd",))
+    assert detok.add(ids) == ("ok", None)
+    assert detok.flush() == " " and detok.stop_matched == "\ufffd"
+    detok = IncrementalDetokenizer(tok, prompt, stop=("\ufffd",))
+    text, matched = detok.add(_lone_continuation_bytes(tok, 8))
+    assert (text, matched) == ("", "\ufffd") and detok.stopped
+
+
+def test_a_u_fffd_stop_completed_at_the_end_reports_stop_and_the_string(tok, prompt):
+    from radixserve.workers.engine.output_processor import OutputProcessor
+    from radixserve.workers.engine.request import Req
+    from radixserve.workers.protocol import SamplingParams
+
+    ids = tok.encode("ok 🎉")[:-1]
+    req = Req("r", 0, prompt, SamplingParams(max_new_tokens=len(ids), stop=("\ufffd",)))
+    req.detokenizer = IncrementalDetokenizer(tok, prompt, stop=req.params.stop)
+    outputs = OutputProcessor(tok, [tok.eos_token_id], context_length=2048)
+    for token in ids:
+        outputs.append_sampled(req, token, None)
+        outputs.detokenize(req)
+    chunk = outputs.take_chunk(req)
+    assert chunk.text == "ok " and chunk.finished
+    assert chunk.finish_reason == {"type": "stop", "matched": "\ufffd"}

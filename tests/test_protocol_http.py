@@ -17,6 +17,7 @@ from radixserve.router.frontend.responses import (
     chat_logprobs,
     chat_response,
     completion_logprobs,
+    completion_response,
     usage_chunk,
 )
 from radixserve.router.frontend.schemas import (
@@ -27,6 +28,7 @@ from radixserve.router.frontend.schemas import (
     check_prompt_fits,
     check_sequences,
     completion_sampling_params,
+    native_sampling_dicts,
     native_sampling_params,
 )
 from radixserve.router.frontend.tokenizer import Tokenizer
@@ -34,6 +36,7 @@ from radixserve.workers.models.loader import load_tokenizer, resolve_model_dir
 from radixserve.workers.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     EngineError,
+    Failure,
     InvalidRequest,
     ModelCard,
     OutputChunk,
@@ -41,8 +44,8 @@ from radixserve.workers.protocol import (
     ReplicaStats,
     TokenLogprob,
     add_to_native_result,
-    decode_error,
-    encode_error,
+    decode_event,
+    encode_event,
     native_result,
 )
 from radixserve.workers.replica import tokenizer_files
@@ -194,7 +197,6 @@ def test_completion_and_native_params():
     for kw, param in (
         ({"logprobs": 6}, "logprobs"),
         ({"best_of": 2}, "best_of"),
-        ({"echo": True, "logprobs": 1}, "echo"),
         ({"suffix": "s"}, "suffix"),
     ):
         with pytest.raises(InvalidRequest) as e:
@@ -203,16 +205,34 @@ def test_completion_and_native_params():
     g = GenerateHTTPRequest.model_validate(
         {"text": "a", "return_logprob": True, "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 4}}
     )
-    p = native_sampling_params(g, 1, VOCAB, CTX)
-    assert (p.max_new_tokens, p.logprobs, p.top_logprobs) == (4, True, 2)
+    p = native_sampling_params(g, g.sampling_params, 1, VOCAB, CTX)
+    assert (p.max_new_tokens, p.logprobs, p.top_logprobs, p.logprob_start_len) == (4, True, 2, -1)
     with pytest.raises(InvalidRequest) as e:
-        native_sampling_params(
-            GenerateHTTPRequest.model_validate({"text": "a", "sampling_params": {"max_new_tokenz": 4}}),
-            1,
-            VOCAB,
-            CTX,
-        )
+        bad = GenerateHTTPRequest.model_validate({"text": "a", "sampling_params": {"max_new_tokenz": 4}})
+        native_sampling_params(bad, bad.sampling_params, 1, VOCAB, CTX)
     assert e.value.param == "max_new_tokenz"
+
+
+def test_native_batches_and_prompt_logprob_fields():
+    g = GenerateHTTPRequest.model_validate(
+        {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]}
+    )
+    assert [d["max_new_tokens"] for d in native_sampling_dicts(g, 2)] == [1, 2]
+    with pytest.raises(InvalidRequest, match="2 entries for 3 prompt") as e:
+        native_sampling_dicts(g, 3)
+    assert e.value.param == "sampling_params"
+    one = GenerateHTTPRequest.model_validate({"input_ids": [[1, 2], [3]], "sampling_params": {"top_k": 2}})
+    assert native_sampling_dicts(one, 2) == [{"top_k": 2}, {"top_k": 2}]
+    lp = GenerateHTTPRequest.model_validate(
+        {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 1}
+    )
+    assert native_sampling_params(lp, {}, 3, VOCAB, CTX).logprob_start_len == 1
+    # Without return_logprob the start is not read; past the prompt it is a 400 naming it.
+    plain = lp.model_copy(update={"return_logprob": False})
+    assert native_sampling_params(plain, {}, 3, VOCAB, CTX).logprob_start_len == -1
+    with pytest.raises(InvalidRequest, match="less than the prompt's length") as e:
+        native_sampling_params(lp.model_copy(update={"logprob_start_len": 3}), {}, 3, VOCAB, CTX)
+    assert e.value.param == "logprob_start_len"
 
 
 def validation_error(schema, body: str) -> errors.APIError:
@@ -251,18 +271,21 @@ def test_schema_errors_become_openai_400s():
     )
 
 
+def replica_error(exc: Exception) -> Exception:
+    """`exc` as a replica's stream sends it, and as the ingress raises it."""
+    event = decode_event(json.loads(json.dumps(encode_event(Failure(exc)))))
+    assert isinstance(event, Failure)
+    return event.error
+
+
 def test_replica_errors_round_trip_and_map_to_statuses():
-    inv = decode_error(
-        json.loads(
-            json.dumps(encode_error(InvalidRequest("too long", "max_tokens", "context_length_exceeded")))
-        )
-    )
+    inv = replica_error(InvalidRequest("too long", "max_tokens", "context_length_exceeded"))
     assert isinstance(inv, InvalidRequest) and (inv.param, inv.code) == (
         "max_tokens",
         "context_length_exceeded",
     )
     assert errors.from_exception(inv, "req-1").status == 400
-    full = errors.from_exception(decode_error(encode_error(QueueFull("busy"))), "req-1")
+    full = errors.from_exception(replica_error(QueueFull("busy")), "req-1")
     assert (full.status, full.headers, full.body()["error"]["code"]) == (
         503,
         {"Retry-After": "1"},
@@ -339,6 +362,45 @@ def test_logprobs_in_openai_shapes(tok):
         "token_logprobs": [-0.5, -0.25],
         "top_logprobs": [{"Hello": -0.5, " world": -1.5}, {}],
         "text_offset": [3, 8],
+    }
+
+
+def test_completion_echo_with_logprobs_covers_the_prompt_then_the_completion(tok):
+    p = completion_sampling_params(
+        CompletionRequest.model_validate({"prompt": "a", "echo": True, "logprobs": 1}), 1, VOCAB, CTX
+    )
+    assert (p.logprob_start_len, p.top_logprobs) == (0, 1)
+    assert (
+        completion_sampling_params(
+            CompletionRequest.model_validate({"prompt": "a", "echo": True}), 1, VOCAB, CTX
+        ).logprob_start_len
+        == -1
+    )
+    with pytest.raises(InvalidRequest, match="does not support infilling"):
+        completion_sampling_params(
+            CompletionRequest.model_validate({"prompt": "a", "suffix": "z"}), 1, VOCAB, CTX
+        )
+    hello, world = tok.encode("Hello")[0], tok.encode(" world")[0]
+    seqs = Sequences(1, 1)
+    seqs.add(
+        0,
+        OutputChunk(
+            rid="r",
+            token_ids=[world],
+            text=" world",
+            logprobs=[TokenLogprob(world, -0.25)],
+            input_logprobs=[None, TokenLogprob(world, -2.0, [(hello, -1.0)])],
+            finished=True,
+        ),
+    )
+    body = completion_response("r", "m", seqs, tok, True, ["Hello world"], [[hello, world]])
+    choice = body["choices"][0]
+    assert choice["text"] == "Hello world world"
+    assert choice["logprobs"] == {
+        "tokens": ["Hello", " world", " world"],
+        "token_logprobs": [None, -2.0, -0.25],
+        "top_logprobs": [None, {"Hello": -1.0}, {}],
+        "text_offset": [0, 5, 11],
     }
 
 
@@ -457,6 +519,14 @@ def test_native_result_without_logprobs_or_alternatives():
     assert "output_top_logprobs" not in plain["meta_info"]
 
 
+def test_native_result_input_logprobs_name_the_prompt_tokens():
+    out = native_result("r")
+    chunk = OutputChunk(rid="r", input_logprobs=[None, TokenLogprob(7, -2.5, [(8, -0.5), (7, -2.5)])])
+    add_to_native_result(out, chunk, lambda t: f"<{t}>", input_ids=[4, 6, 7])
+    assert out["meta_info"]["input_token_logprobs"] == [[None, 6, "<6>"], [-2.5, 7, "<7>"]]
+    assert out["meta_info"]["input_top_logprobs"] == [None, [[-0.5, 8, "<8>"], [-2.5, 7, "<7>"]]]
+
+
 # Configuration reaches the deployments typed and frozen ------------------------------------------------
 def test_deployments_are_bound_with_frozen_configs():
     import dataclasses
@@ -473,8 +543,9 @@ def test_deployments_are_bound_with_frozen_configs():
     replicas, cfg = app._bound_deployment.init_args
     assert isinstance(cfg, IngressConfig) and cfg.http is args.http and cfg.policy.policy == "cache_aware"
     assert cfg.sync_interval_s == args.router.router_sync_interval_s
-    (engine,) = replicas._bound_deployment.init_args
+    engine, memory_budget = replicas._bound_deployment.init_args
     assert isinstance(engine, EngineConfig) and engine.max_total_tokens == 512
+    assert memory_budget is None  # no --replica-memory-gb: the replica's default cap
     assert cloudpickle.loads(cloudpickle.dumps(cfg)) == cfg  # how Serve ships bind arguments
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.http.max_request_bytes = 1  # type: ignore[misc]

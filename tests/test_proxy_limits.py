@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,7 +16,13 @@ from radixserve.router.frontend import proxy
 from radixserve.router.frontend.config import HTTPConfig
 from radixserve.router.frontend.proxy import LimitedHttpToolsProtocol, ProxyLimits
 
-LIMITS = ProxyLimits(max_header_bytes=4096, max_request_bytes=1000, header_timeout_s=0.5, body_timeout_s=0.5)
+LIMITS = ProxyLimits(
+    max_header_bytes=4096,
+    max_request_bytes=1000,
+    header_timeout_s=0.5,
+    body_timeout_s=0.5,
+    body_total_timeout_s=1.5,
+)
 
 
 class Protocol(LimitedHttpToolsProtocol):
@@ -174,17 +181,46 @@ async def test_a_stalled_body_is_408_and_the_app_sees_a_disconnect(server):
     assert app.last == ["disconnect"]
 
 
+async def test_a_body_trickled_in_never_pausing_long_is_408_at_the_total_deadline(server):
+    port, app = server
+    started = time.monotonic()
+    head = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        answer = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+        for _ in range(100):  # a byte every 0.2 s, until the server answers
+            done, _ = await asyncio.wait([answer], timeout=0.2)
+            if done:
+                break
+            writer.write(b"d")
+        answered_after = time.monotonic() - started
+        raw = await asyncio.wait_for(answer, 10) + await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    status, err = status_and_error(raw)
+    assert (status, err["message"]) == (408, "The request body did not arrive whole within 1.5s.")
+    assert 1.5 <= answered_after < 5
+    assert app.last == ["disconnect"]
+
+
 def test_the_proxy_hook_installs_the_configured_limits(monkeypatch):
     from uvicorn import config
 
-    http = HTTPConfig(max_header_bytes=1234, max_request_bytes=5678, header_timeout_s=3, body_timeout_s=4)
+    http = HTTPConfig(
+        max_header_bytes=1234,
+        max_request_bytes=5678,
+        header_timeout_s=3,
+        body_timeout_s=4,
+        body_total_timeout_s=9,
+    )
     env = proxy.proxy_environment(http)
     assert env[proxy.CALLBACK_ENV] == "radixserve.router.frontend.proxy:install"
     monkeypatch.setattr(config, "HTTP_PROTOCOLS", dict(config.HTTP_PROTOCOLS))
     monkeypatch.setattr(LimitedHttpToolsProtocol, "limits", LimitedHttpToolsProtocol.limits)
     monkeypatch.setitem(os.environ, proxy.LIMITS_ENV, env[proxy.LIMITS_ENV])
     assert proxy.install() == []
-    assert LimitedHttpToolsProtocol.limits == ProxyLimits(1234, 5678, 3, 4)
+    assert LimitedHttpToolsProtocol.limits == ProxyLimits(1234, 5678, 3, 4, 9)
     cfg = uvicorn.Config(lambda: None, http="auto")
     cfg.load()
     assert cfg.http_protocol_class is LimitedHttpToolsProtocol

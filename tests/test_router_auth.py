@@ -108,7 +108,7 @@ def test_a_tenant_s_requests_carry_its_namespace_and_qualified_ids():
     (one,) = _requests([[1, 2]], [SamplingParams()], "r1", False, acme)
     assert (one.rid, one.namespace, one.input_ids) == ("acme/r1", "acme", [1, 2])
     two = _requests([[1], [2]], [SamplingParams()] * 2, "r2", True, acme)
-    assert [(r.rid, r.namespace) for r in two] == [("acme/r2-0", "acme"), ("acme/r2-1", "acme")]
+    assert [(r.rid, r.namespace) for r in two] == [("acme/r2\x1fp0", "acme"), ("acme/r2\x1fp1", "acme")]
     (shared,) = _requests([[1]], [SamplingParams()], "r1", False, OPEN)
     assert (shared.rid, shared.namespace) == ("r1", None)
 

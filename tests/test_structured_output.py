@@ -166,6 +166,37 @@ def test_jump_forward_saves_steps(engine):
     assert engine.stats()["jump_forward_tokens_total"] - before >= 8
 
 
+SELF_REQUIRED = {"type": "object", "required": ["next"], "properties": {"next": {"$ref": "#"}}}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "constraint",
+    [{"ebnf": 'root ::= "a" root'}, {"json_schema": json.dumps(SELF_REQUIRED)}],
+    ids=["a-root", "self-required"],
+)
+def test_a_grammar_forced_forever_is_served_to_its_length_limit(engine, constraint):
+    """Jump-forward over a continuation the grammar forces forever takes a bounded jump per step,
+    and the request ends at max_new_tokens beside a request batched with it."""
+    import asyncio
+    import time
+
+    params = dict(constraint, max_new_tokens=30, temperature=0)
+    mate = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def both():
+        return await asyncio.gather(engine.async_generate("x", params), engine.async_generate("Hello", mate))
+
+    started = time.monotonic()
+    forced, other = asyncio.run(both())
+    assert time.monotonic() - started < 30
+    assert forced["meta_info"]["finish_reason"]["type"] == "length"
+    assert forced["meta_info"]["completion_tokens"] == 30
+    expected = "a" * len(forced["text"]) if "ebnf" in constraint else '{"next": ' * 3
+    assert forced["text"].startswith(expected[:27]) and forced["text"]
+    assert other["meta_info"]["completion_tokens"] == 8
+
+
 @pytest.mark.parametrize(
     "params,param_name",
     [

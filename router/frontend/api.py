@@ -303,13 +303,22 @@ async def tokenize(ing: Ingress, req: TokenizeRequest, http: Request) -> Respons
     serving.check_model(ing, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise errors.bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    for name in ("tools", "chat_template_kwargs", "add_generation_prompt"):
+        if req.prompt is not None and name in req.model_fields_set:
+            raise errors.bad_request(f"'{name}' applies to 'messages' only", name)
+    if req.messages is not None and "add_special_tokens" in req.model_fields_set:
+        raise errors.bad_request(
+            "'add_special_tokens' applies to 'prompt' only (the chat template writes its own)",
+            "add_special_tokens",
+        )
     pool, tok = ing.tokenizer_pool, ing.tokenizer
     if req.prompt is not None:
         ids = await pool.run(len(req.prompt), tok.encode, req.prompt, req.add_special_tokens, "prompt")
     else:
-        assert req.messages is not None
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = await pool.run(sum(len(m["content"]) for m in messages), tok.encode_chat, messages)
+        chat = ChatCompletionRequest.model_construct(
+            messages=req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs
+        )
+        _, ids = await serving.chat_prompt(ing, chat, False, req.add_generation_prompt)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ing.card.context_length})
 
 

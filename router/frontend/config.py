@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.router.frontend.reasoning import REASONING_PARSERS
 from radixserve.router.frontend.tenants import SECRET_SETTINGS, ApiKeys
+from radixserve.router.frontend.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from radixserve.router.routing.policy import PolicyConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -28,9 +30,16 @@ class HTTPConfig:
     max_header_bytes: int = 64 * 1024  # request line + headers; more gets 431
     header_timeout_s: float = 30.0  # a request's headers must arrive within this
     body_timeout_s: float = 30.0  # longest silence while a request body is being sent
+    body_total_timeout_s: float = 120.0  # a request body must arrive whole within this
     keep_alive_timeout_s: int = 60  # an idle keep-alive connection is closed after this
     tokenizer_threads: int = 4  # threads that tokenize and render chat templates (>= 2)
     log_level: str = "info"
+    # How the model writes its thinking (a REASONING_PARSERS name): chat answers carry it apart
+    # as `reasoning_content`, and a grammar constrains only what follows it. None: no thinking.
+    reasoning_parser: str | None = None
+    # How the model writes tool calls (a TOOL_CALL_PARSERS name). None: inferred from the chat
+    # template where it is unambiguous (router/frontend/tool_parsers.py `infer_parser`).
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -43,11 +52,20 @@ class HTTPConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.tokenizer_threads < 2:
             raise ValueError("tokenizer_threads must be >= 2 (one is kept for small inputs)")
-        for name in ("header_timeout_s", "body_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "body_total_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
+            )
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
 
     def api_keys(self) -> ApiKeys:
         return ApiKeys.from_settings(self.api_key, self.api_keys_file, self.admin_api_key)
@@ -72,6 +90,11 @@ class IngressConfig:
     decode_policy: PolicyConfig = PolicyConfig(policy="kv_aware")
     pd_on_failure: str = "recompute"
     pd_local_prefill_tokens: int = 0  # PD: prompts this short are prefilled on their decode replica
+    # PD: how long a request may wait for a decode replica with KV room before its 503, and how
+    # often the ingress renews the leases of reservations whose prefill is still on its way
+    # (a third of the lease, kv_transfer_timeout_s: two renewals may be lost).
+    pd_reserve_wait_s: float = 0.0
+    pd_lease_renew_s: float = 10.0
 
     def server_info(self) -> dict[str, Any]:
         """The flat server arguments with the key settings masked."""

@@ -1,7 +1,8 @@
 """The Serve ingress deployment: owns the tokenizer, the metrics and the handle to the engine
 replicas, and serves the FastAPI app that router/frontend/api.py builds around it.
 
-Replica traffic is protocol dicts only. A request's replica is chosen by the routing policy, which
+Replica traffic is protocol messages only; a replica's stream is read through one
+`ReplicaCall` (router/frontend/replica_call.py), which decodes its events. A request's replica is chosen by the routing policy, which
 runs as the engine deployment's Serve request router inside this replica's handle
 (router/routing/request_router.py); both meet in this process's RoutingState. The ingress keeps that
 state honest: every `router_sync_interval_s` it pulls each replica's cached prefixes and load
@@ -9,6 +10,8 @@ state honest: every `router_sync_interval_s` it pulls each replica's cached pref
 
 In PD mode the ingress holds two engine pools, prefill and decode, each with its own request
 router and routing state; a request is served by one replica of each (router/frontend/pd_stream.py).
+Every `pd_lease_renew_s` it renews, on the decode replicas, the reservations of its requests
+whose prefill is still on its way (`renew_leases`).
 """
 
 from __future__ import annotations
@@ -16,27 +19,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 
 from radixserve.router.frontend.config import IngressConfig
 from radixserve.router.frontend.metrics import Metrics, RequestTimer
 from radixserve.router.frontend.pd_stream import PDStream
+from radixserve.router.frontend.replica_call import ReplicaCall
 from radixserve.router.frontend.tokenizer import Tokenizer
 from radixserve.router.frontend.tokenizer_pool import TokenizerPool
 from radixserve.router.routing.request_router import state_key
 from radixserve.router.routing.routing_state import routing_state
 from radixserve.workers.protocol import (
+    CacheSummary,
     GenerateRequest,
     ModelCard,
-    OutputChunk,
     ReplicaStats,
     attempt_rid,
-    decode_error,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,47 +52,8 @@ REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
 OPEN_ATTEMPTS = 3
 
 
-class ReplicaStream:
-    """The chunks of one request from its replica. Cancelling it aborts the request there."""
-
-    def __init__(self, gen: DeploymentResponseGenerator, rid: str, timer: RequestTimer):
-        self.gen = gen
-        self.rid = rid
-        self.timer = timer
-        self.done = False
-        self.first: OutputChunk | None = None
-
-    async def next(self) -> OutputChunk | None:
-        """The next chunk, None at the end; raises a replica's refusal as its exception."""
-        try:
-            d = await self.gen.__anext__()
-        except StopAsyncIteration:
-            self.done = True
-            return None
-        if "error" in d:
-            self.done = True
-            raise decode_error(d)
-        chunk = OutputChunk.from_dict(d)
-        self.timer.tokens(len(chunk.token_ids))
-        return chunk
-
-    async def __aiter__(self) -> AsyncIterator[OutputChunk]:
-        try:
-            if self.first is not None:
-                yield self.first
-            while not self.done and (chunk := await self.next()) is not None:
-                yield chunk
-            self.timer.finished()
-        finally:
-            self.cancel()
-
-    def cancel(self) -> None:
-        if not self.done:
-            self.done = True
-            self.gen.cancel()
-
-
-Stream = ReplicaStream | PDStream
+# What `Ingress.open` returns: a unified request's call, or a PD request's two.
+Stream = ReplicaCall | PDStream
 
 
 class Ingress:
@@ -120,6 +83,10 @@ class Ingress:
             dkey = state_key(decode.deployment_id.app_name, decode.deployment_id.name)
             self.pools.append((decode, routing_state(dkey, config.decode_policy)))
         self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
+        # PD: requests between their reservation and their first token (pd_stream.py).
+        self.held: set[str] = set()
+        if decode is not None:
+            self._renew_task = asyncio.get_running_loop().create_task(self._renew_forever())
         self.draining = False  # set by `drain`; api.py's Drain then refuses new HTTP requests
         self.in_flight = 0  # HTTP requests being served here (a stream until its last byte)
 
@@ -127,11 +94,6 @@ class Ingress:
         from radixserve.router.frontend.api import build_api
 
         return build_api(self)
-
-    def route(self, req: GenerateRequest) -> DeploymentHandle:
-        """The handle that will serve `req`. Its request router applies the routing policy to
-        `req.input_ids` (router/routing/request_router.py)."""
-        return self.replicas
 
     async def sync_routing(self) -> int:
         """Correct the routing state from every replica's own report; returns how many replicas
@@ -142,9 +104,10 @@ class Ingress:
             point = routing.sync_point()
             budget = SUMMARY_MAX_TOKENS if routing.uses_prefix_tree else 0
             for r in await self._broadcast_to(handle, "cache_summary", budget):
+                summary = CacheSummary.from_dict(r)
                 # The engine lists most recent first; the tree wants least recent first.
-                prefixes = list(zip(r["namespaces"], r["prefixes"]))[::-1] if budget else None
-                applied += routing.apply_report(ReplicaStats.from_dict(r["stats"]), prefixes, point)
+                prefixes = summary.paths[::-1] if budget else None
+                applied += routing.apply_report(summary.stats, prefixes, point)
         return applied
 
     async def _sync_forever(self) -> None:
@@ -154,6 +117,23 @@ class Ingress:
                 await self.sync_routing()
             except Exception:  # the next round retries; routing goes on with what it knows
                 logger.exception("routing correction failed")
+
+    async def renew_leases(self) -> int:
+        """PD: ask every decode replica to renew the reservations of the requests in `held`
+        (each renews those it holds); returns how many replicas answered. A replica that does
+        not answer renews nothing: two renewals in a row may be lost within a lease."""
+        if self.decode is None or not self.held:
+            return 0
+        timeout = self.config.pd_lease_renew_s
+        return len(await self._broadcast_to(self.decode, "renew", sorted(self.held), timeout_s=timeout))
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.pd_lease_renew_s)
+            try:
+                await self.renew_leases()
+            except Exception:  # the next round renews again; a missed one costs nothing yet
+                logger.exception("renewing the decode reservations failed")
 
     def router_snapshot(self) -> dict[str, Any]:
         snap = self.routing.snapshot()
@@ -194,29 +174,34 @@ class Ingress:
 
     async def _open(
         self, req: GenerateRequest, timer: RequestTimer, pool: DeploymentHandle | None = None
-    ) -> ReplicaStream:
-        gen = (pool or self.route(req)).options(stream=True).generate.remote(req.to_dict())
-        assert isinstance(gen, DeploymentResponseGenerator)  # a stream=True handle's call
-        stream = ReplicaStream(gen, req.rid, timer)
-        try:
-            if await stream.next() is None:  # the acceptance (an empty chunk)
-                raise RuntimeError("the replica closed the stream without output")
-            timer.admitted()
-            stream.first = await stream.next()
-        except BaseException:
-            stream.cancel()
-            raise
-        return stream
+    ) -> ReplicaCall:
+        """`req` served whole by one replica of `pool` (the engine pool by default), whose
+        request router applies the routing policy to its prompt (router/routing/request_router.py)."""
+        call = ReplicaCall(pool or self.replicas, "generate", req, timer=timer)
+        await call.admit()
+        return call
 
     async def _open_pd(self, req: GenerateRequest, timer: RequestTimer) -> Stream:
         """A PD request: prefilled in the prefill pool, its KV moved to a decode replica; or, when
         its prompt is at most `pd_local_prefill_tokens` long, served whole by a decode replica
         (a short prefill costs its decode batch less than the round trip and the transfer cost
-        the request)."""
+        the request). A request for no new tokens has nothing to decode: a prefill replica serves
+        it whole (and keeps its prompt in its cache), as a unified replica would."""
         assert self.decode is not None
+        if req.sampling_params.max_new_tokens == 0:
+            return await self._open(req, timer, self.replicas)
         if len(req.input_ids) <= self.config.pd_local_prefill_tokens:
             return await self._open(req, timer, self.decode)
-        stream = PDStream(req, self.replicas, self.decode, timer, self.config.pd_on_failure)
+        stream = PDStream(
+            req,
+            self.replicas,
+            self.decode,
+            timer,
+            self.config.pd_on_failure,
+            self.config.pd_reserve_wait_s,
+            self.pools[1][1],
+            self.held,
+        )
         await stream.open()
         return stream
 

@@ -53,6 +53,7 @@ class ProxyLimits:
     max_request_bytes: int
     header_timeout_s: float
     body_timeout_s: float
+    body_total_timeout_s: float = HTTPConfig.body_total_timeout_s
 
     @classmethod
     def of(cls, http: HTTPConfig) -> ProxyLimits:
@@ -87,8 +88,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
       an unterminated header section is cut off at the limit too.
     - A body over `max_request_bytes` (declared or sent): 413.
     - Headers not complete `header_timeout_s` after the connection opened or the request began,
-      or a body that pauses longer than `body_timeout_s` while the app waits for it: 408 (or the
-      connection is just closed when a response has already started).
+      or a body that pauses longer than `body_timeout_s` while the app waits for it, or that is
+      not whole `body_total_timeout_s` after the headers (a body trickled in a byte at a time
+      never pauses long): 408 (or the connection is just closed when a response has started).
     Each answer ends the connection (after a short linger that drops what the client still sends).
     """
 
@@ -101,6 +103,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0  # raw bytes received while in the header section
         self._parsed_header_bytes = 0  # the request line and headers as parsed
         self._body_bytes = 0
+        self._body_deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
         self._linger_until = 0.0
@@ -155,6 +158,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             raise _Refused()
         self._in_headers = False
         self._header_bytes = self._body_bytes = 0
+        self._body_deadline = self.loop.time() + self.limits.body_total_timeout_s
         super().on_headers_complete()
         self._arm(self.limits.body_timeout_s, self._body_late)
 
@@ -162,6 +166,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_bytes += len(body)
         if self._body_bytes > self.limits.max_request_bytes:
             self._refuse(413, _too_large(self.limits.max_request_bytes))
+            raise _Refused()
+        if self.loop.time() > self._body_deadline:
+            total = self.limits.body_total_timeout_s
+            self._refuse(408, f"The request body did not arrive whole within {total:g}s.")
             raise _Refused()
         super().on_body(body)
         self._arm(self.limits.body_timeout_s, self._body_late)

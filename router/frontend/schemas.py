@@ -18,6 +18,8 @@ from radixserve.workers.protocol import (
     InvalidRequest,
     SamplingParams,
     check_context_length,
+    check_logprob_start_len,
+    parse_logit_bias,
 )
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
@@ -41,11 +43,23 @@ class ContentPart(_Schema):
     text: str
 
 
+class FunctionCall(_Schema):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class MessageToolCall(_Schema):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[MessageToolCall] | None = None  # an assistant message: the calls it made
 
     def text(self) -> str:
         if self.content is None:
@@ -60,6 +74,27 @@ class JSONSchemaFormat(_Schema):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+
+class FunctionDefinition(_Schema):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Schema):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Schema):
+    name: str
+
+
+class NamedToolChoice(_Schema):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ResponseFormat(_Schema):
@@ -103,12 +138,16 @@ class _SamplingFields(_Schema):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Extra variables of the chat template (`{"enable_thinking": false}`); chat_template.py
+    # refuses those that would replace its own.
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    tool_choice: Literal["none"] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -120,16 +159,20 @@ class CompletionRequest(_SamplingFields):
 
 
 class GenerateHTTPRequest(_Schema):
-    """SGLang's native /generate: one prompt (text or ids), SGLang-named sampling params."""
+    """SGLang's native /generate: one prompt (text or ids) or a batch (a list of texts, or of
+    token-id lists), with SGLang-named sampling params: one dict for all, or one per prompt."""
 
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
+    # With return_logprob, the prompt's logprobs too, from this position on (SGLang's default -1:
+    # the output tokens' only).
+    logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    # SGLang's switch for token text in logprob triples; the text is always there, so it is
-    # accepted and changes nothing.
+    # SGLang's switch for token text in logprob triples (False: text None). True by default here:
+    # the text was always there before the switch was honoured.
     return_text_in_logprobs: bool = True
     rid: RequestId | None = None
 
@@ -137,8 +180,13 @@ class GenerateHTTPRequest(_Schema):
 class TokenizeRequest(_Schema):
     model: str | None = None
     prompt: str | None = None
+    # A chat is rendered as /v1/chat/completions renders it: tool calls and results in the
+    # history, the tool definitions and the template's variables all count.
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # what a chat request generates after (messages only)
+    add_special_tokens: bool = True  # a prompt's BOS (prompt only)
 
 
 class DetokenizeRequest(_Schema):
@@ -181,10 +229,7 @@ def _common(req: _SamplingFields) -> dict[str, Any]:
         if getattr(req, name) is not None:
             d[name] = getattr(req, name)
     if req.logit_bias is not None:
-        try:
-            d["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
-        except ValueError:
-            raise InvalidRequest("'logit_bias' keys must be token ids", "logit_bias") from None
+        d["logit_bias"] = parse_logit_bias(req.logit_bias)
     return d
 
 
@@ -215,8 +260,15 @@ def max_new_tokens(requested: int | None, prompt_len: int, context_length: int, 
 
 
 def chat_sampling_params(
-    req: ChatCompletionRequest, prompt_len: int, vocab_size: int, context_length: int
+    req: ChatCompletionRequest,
+    prompt_len: int,
+    vocab_size: int,
+    context_length: int,
+    overrides: dict[str, Any] | None = None,
+    reasoning: str | None = None,
 ) -> SamplingParams:
+    """`overrides` are set last: what the request's tools decide (their grammar, special tokens).
+    `reasoning` (the server's reasoning parser) makes a grammar constrain only the answer."""
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise InvalidRequest(
             "give either 'max_tokens' or 'max_completion_tokens', not both", "max_completion_tokens"
@@ -232,6 +284,7 @@ def chat_sampling_params(
     d["max_new_tokens"] = max_new_tokens(limit, prompt_len, context_length, param)
     d["logprobs"] = req.logprobs
     d["top_logprobs"] = req.top_logprobs or 0
+    d["reasoning"] = reasoning
     fmt = req.response_format
     if fmt is not None and fmt.type != "text" and req.json_schema is not None:
         raise InvalidRequest("give either 'response_format' or 'json_schema', not both", "json_schema")
@@ -243,7 +296,8 @@ def chat_sampling_params(
                 "'response_format.json_schema.schema' is required", "response_format.json_schema"
             )
         d["json_schema"] = json.dumps(fmt.json_schema.schema_)
-    return _build(d, vocab_size)
+    d.update(overrides or {})
+    return SamplingParams.from_dict(d, vocab_size)
 
 
 def completion_sampling_params(
@@ -252,35 +306,45 @@ def completion_sampling_params(
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("'best_of' other than 'n' is not supported", "best_of")
     if req.suffix is not None:
-        raise InvalidRequest("'suffix' is not supported", "suffix")
-    if req.echo and req.logprobs is not None:
-        raise InvalidRequest("'echo' with 'logprobs' is not supported", "echo")
+        raise InvalidRequest("this model does not support infilling: 'suffix' must not be given", "suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise InvalidRequest(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
     d = _common(req)
     d["max_new_tokens"] = max_new_tokens(req.max_tokens, prompt_len, context_length, "max_tokens")
     d["logprobs"] = req.logprobs is not None
     d["top_logprobs"] = req.logprobs or 0
-    return _build(d, vocab_size)
+    if req.echo and req.logprobs is not None:
+        d["logprob_start_len"] = 0  # the echoed prompt's logprobs come first
+    return SamplingParams.from_dict(d, vocab_size)
+
+
+def native_sampling_dicts(req: GenerateHTTPRequest, num_prompts: int) -> list[dict[str, Any]]:
+    """Each prompt's sampling params: the one dict for all, or the list's own (one per prompt)."""
+    given = req.sampling_params
+    if isinstance(given, dict):
+        return [given] * num_prompts
+    if len(given) != num_prompts:
+        raise InvalidRequest(
+            f"'sampling_params' holds {len(given)} entries for {num_prompts} prompt(s): give one "
+            "dict for every prompt, or a list of one per prompt",
+            "sampling_params",
+        )
+    return list(given)
 
 
 def native_sampling_params(
-    req: GenerateHTTPRequest, prompt_len: int, vocab_size: int, context_length: int
+    req: GenerateHTTPRequest, given: dict[str, Any], prompt_len: int, vocab_size: int, context_length: int
 ) -> SamplingParams:
-    d = dict(req.sampling_params)
+    """One prompt's parameters: `given` (from `native_sampling_dicts`) and the request's logprob
+    fields."""
+    d = dict(given)
     d.setdefault("max_new_tokens", SamplingParams.max_new_tokens)
     if req.return_logprob:
         d["logprobs"] = True
         d["top_logprobs"] = req.top_logprobs_num
-    params = _build(d, vocab_size)
+        if req.logprob_start_len >= 0:
+            check_logprob_start_len(req.logprob_start_len, prompt_len)
+        d["logprob_start_len"] = req.logprob_start_len
+    params = SamplingParams.from_dict(d, vocab_size)
     check_context_length(prompt_len, params.max_new_tokens, context_length, "sampling_params.max_new_tokens")
-    return params
-
-
-def _build(d: dict[str, Any], vocab_size: int) -> SamplingParams:
-    try:
-        params = SamplingParams.from_dict(d)
-    except TypeError as e:  # a wrongly typed value that the dataclass itself refused
-        raise InvalidRequest(f"invalid sampling parameters: {e}") from None
-    params.validate(vocab_size)
     return params

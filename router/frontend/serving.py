@@ -11,13 +11,14 @@ tokenizing: a prompt whose length alone proves it longer than the context is ref
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.router.frontend import errors
+from radixserve.router.frontend.reasoning import ReasoningSplit, thinking_of
 from radixserve.router.frontend.responses import (
     SSE_DONE,
     Sequences,
@@ -29,6 +30,7 @@ from radixserve.router.frontend.responses import (
     completion_response,
     new_id,
     now,
+    prompt_logprobs,
     sse,
     usage_chunk,
 )
@@ -40,14 +42,23 @@ from radixserve.router.frontend.schemas import (
     check_prompt_fits,
     check_sequences,
     completion_sampling_params,
+    native_sampling_dicts,
     native_sampling_params,
 )
 from radixserve.router.frontend.tenants import Identity, identity_of
-from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams
+from radixserve.router.frontend.tool_parsers import infer_parser, parser_class
+from radixserve.router.frontend.tool_requests import ToolPlan, plan_tools, template_knows_tools
+from radixserve.workers.protocol import (
+    REASONING_FORMATS,
+    GenerateRequest,
+    InvalidRequest,
+    OutputChunk,
+    SamplingParams,
+    part_rid,
+)
 
 if TYPE_CHECKING:
-    from radixserve.router.frontend.ingress import Ingress
-    from radixserve.router.frontend.ingress import Stream as ReplicaStream
+    from radixserve.router.frontend.ingress import Ingress, Stream
 
 _DONE = object()
 
@@ -57,9 +68,9 @@ def check_model(ing: Ingress, model: str | None) -> None:
         raise errors.model_not_found(model)
 
 
-async def open_streams(ing: Ingress, reqs: list[GenerateRequest]) -> list[ReplicaStream]:
+async def open_streams(ing: Ingress, reqs: list[GenerateRequest]) -> list[Stream]:
     """Open every prompt's stream, or none: a refusal cancels the ones already admitted."""
-    streams: list[ReplicaStream] = []
+    streams: list[Stream] = []
     try:
         for req in reqs:
             streams.append(await ing.open(req))
@@ -70,11 +81,11 @@ async def open_streams(ing: Ingress, reqs: list[GenerateRequest]) -> list[Replic
     return streams
 
 
-async def merged(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, OutputChunk]]:
+async def merged(streams: list[Stream]) -> AsyncIterator[tuple[int, OutputChunk]]:
     """(prompt index, chunk) from all streams as they arrive."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(k: int, stream: ReplicaStream) -> None:
+    async def pump(k: int, stream: Stream) -> None:
         try:
             async for chunk in stream:
                 queue.put_nowait((k, chunk))
@@ -107,7 +118,7 @@ async def client_gone(http: Request) -> None:
         pass
 
 
-async def collect(streams: list[ReplicaStream], seqs: Sequences, http: Request) -> bool:
+async def collect(streams: list[Stream], seqs: Sequences, http: Request) -> bool:
     """Fold every chunk into `seqs`; False (and the requests aborted) if the client left first."""
 
     async def drain() -> None:
@@ -153,11 +164,30 @@ async def encode_prompt(ing: Ingress, text: str, param: str) -> list[int]:
     return await ing.tokenizer_pool.run(len(text), ing.tokenizer.encode, text, True, param)
 
 
-async def encode_chat(ing: Ingress, messages: list[dict[str, Any]]) -> list[int]:
-    """The chat's ids, templated on a tokenizer thread; refused unread if it cannot fit."""
+async def encode_chat(
+    ing: Ingress,
+    messages: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    must_fit: bool = True,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The chat's ids, templated on a tokenizer thread; refused unread if it must fit the
+    context and cannot (counting alone, /v1/tokenize, takes any length the body limit let in)."""
     size = sum(len(m["content"]) for m in messages)
-    check_prompt_fits(ing.tokenizer.min_tokens(size), ing.card.context_length, "messages")
-    return await ing.tokenizer_pool.run(size, ing.tokenizer.encode_chat, messages)
+    if must_fit:
+        check_prompt_fits(ing.tokenizer.min_tokens(size), ing.card.context_length, "messages")
+    encode = ing.tokenizer.encode_chat
+    return await ing.tokenizer_pool.run(size, encode, messages, template_kwargs, tools, add_generation_prompt)
+
+
+def reasoning_splits(ing: Ingress) -> Callable[[], ReasoningSplit] | None:
+    """A factory of each chat choice's reasoning split, when the server has a reasoning parser."""
+    name = ing.http.reasoning_parser
+    if name is None:
+        return None
+    fmt, token_text = REASONING_FORMATS[name], ing.tokenizer.token_text
+    return lambda: ReasoningSplit(fmt, token_text)
 
 
 def _requests(
@@ -169,7 +199,7 @@ def _requests(
         GenerateRequest(
             input_ids=ids,
             sampling_params=p,
-            rid=who.engine_rid(f"{rid}-{k}" if many else rid),
+            rid=who.engine_rid(part_rid(rid, k) if many else rid),
             namespace=who.namespace,
             stream=stream,
         )
@@ -177,17 +207,64 @@ def _requests(
     ]
 
 
+def _plan_tools(ing: Ingress, req: ChatCompletionRequest) -> tuple[ToolPlan | None, list[dict[str, Any]]]:
+    """The request's tools checked and its messages as the template takes them (on a tokenizer
+    thread: tool schemas can be large)."""
+    template = getattr(ing.tokenizer.hf, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    family = ing.http.tool_call_parser or infer_parser(template)
+    return plan_tools(req, family, template_knows_tools(template), ing.tokenizer.chat.special_ids)
+
+
+def _tool_overrides(ing: Ingress, plan: ToolPlan | None) -> dict[str, Any]:
+    """Sampling parameters the tools decide: their grammar, and special tokens kept in the text
+    when the family's call markers are special tokens (they would be dropped otherwise)."""
+    if plan is None or plan.family is None:
+        return {}
+    out: dict[str, Any] = {}
+    if plan.grammar is not None:
+        out["structural_tag"] = plan.grammar
+    markers = parser_class(plan.family).markers
+    if any(m in ing.tokenizer.chat.special_ids for m in markers):
+        out["skip_special_tokens"] = False
+    return out
+
+
+async def chat_prompt(
+    ing: Ingress, req: ChatCompletionRequest, must_fit: bool = True, add_generation_prompt: bool = True
+) -> tuple[ToolPlan | None, list[int]]:
+    """The request's tool plan and its prompt ids: the history, the tools and the template's
+    variables rendered by the model's chat template."""
+    size = sum(len(m.text()) for m in req.messages)
+    if req.tools is None and not any(m.tool_calls for m in req.messages):
+        plan, messages = _plan_tools(ing, req)  # no schema nor arguments to read: O(messages)
+    else:
+        plan, messages = await ing.tokenizer_pool.run(size, _plan_tools, ing, req)
+    tools = plan.tools if plan else None
+    ids = await encode_chat(ing, messages, req.chat_template_kwargs, tools, must_fit, add_generation_prompt)
+    return plan, ids
+
+
 async def chat(ing: Ingress, req: ChatCompletionRequest, http: Request) -> Response:
     check_model(ing, req.model)
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-    ]
     check_sequences(1, req.n)
-    ids = await encode_chat(ing, messages)
-    params = chat_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
+    plan, ids = await chat_prompt(ing, req)
+    params = chat_sampling_params(
+        req,
+        len(ids),
+        ing.card.vocab_size,
+        ing.card.context_length,
+        overrides=_tool_overrides(ing, plan),
+        reasoning=thinking_of(ing.http.reasoning_parser, req.chat_template_kwargs),
+    )
     rid = req.rid or new_id("chatcmpl")
-    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
-    seqs = Sequences(1, params.n)
+    try:
+        streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
+    except InvalidRequest as e:  # the tools' grammar, refused by the replica that compiled it
+        if e.param == "structural_tag" and plan is not None:
+            raise InvalidRequest(e.message, "tools", e.code) from None
+        raise
+    seqs = Sequences(1, params.n, reasoning=reasoning_splits(ing), tools=plan.parser if plan else None)
     if not req.stream:
         if not await collect(streams, seqs, http):
             return Response(status_code=499)
@@ -199,7 +276,7 @@ async def chat(ing: Ingress, req: ChatCompletionRequest, http: Request) -> Respo
 async def _chat_events(
     ing: Ingress,
     rid: str,
-    streams: list[ReplicaStream],
+    streams: list[Stream],
     seqs: Sequences,
     want_logprobs: bool,
     include_usage: bool,
@@ -210,9 +287,10 @@ async def _chat_events(
         if i not in started:
             started.add(i)
             yield sse(chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}))
-        if chunk.text or (want_logprobs and chunk.logprobs):
+        delta = seqs.choices[i].last_delta
+        if delta or (want_logprobs and chunk.logprobs):
             lps = chat_logprobs(ing.tokenizer, chunk.logprobs or []) if want_logprobs else None
-            yield sse(chat_chunk(rid, created, model, i, {"content": chunk.text}, logprobs=lps))
+            yield sse(chat_chunk(rid, created, model, i, delta or {"content": ""}, logprobs=lps))
         if chunk.finished:
             s = seqs.choices[i]
             yield sse(chat_chunk(rid, created, model, i, {}, s.finish_reason, matched_stop=s.matched_stop))
@@ -261,31 +339,37 @@ async def completions(ing: Ingress, req: CompletionRequest, http: Request) -> Re
             return Response(status_code=499)
         echo = texts if req.echo else None
         return JSONResponse(
-            completion_response(rid, ing.model_name, seqs, ing.tokenizer, want_logprobs, echo)
+            completion_response(rid, ing.model_name, seqs, ing.tokenizer, want_logprobs, echo, ids_list)
         )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    echo = texts if req.echo else None
+    prompts = (texts, ids_list) if req.echo else None
     return sse_response(
-        guarded(_completion_events(ing, rid, streams, seqs, want_logprobs, include_usage, echo), http)
+        guarded(_completion_events(ing, rid, streams, seqs, want_logprobs, include_usage, prompts), http)
     )
 
 
 async def _completion_events(
     ing: Ingress,
     rid: str,
-    streams: list[ReplicaStream],
+    streams: list[Stream],
     seqs: Sequences,
     want_logprobs: bool,
     include_usage: bool,
-    echo: list[str] | None,
+    echo: tuple[list[str], list[list[int]]] | None,
 ) -> AsyncIterator[str]:
+    """`echo`: each prompt's text and ids; its text (and logprobs) open each of its choices."""
     created, model, offsets = now(), ing.model_name, {}
     async for k, chunk in merged(streams):
         i = seqs.add(k, chunk)
         if i not in offsets:
             offsets[i] = 0
             if echo:
-                yield sse(completion_chunk(rid, created, model, i, echo[k]))
+                texts, ids_list = echo
+                lps = None
+                if want_logprobs and chunk.input_logprobs is not None:
+                    lps = prompt_logprobs(ing.tokenizer, ids_list[k], chunk.input_logprobs)
+                yield sse(completion_chunk(rid, created, model, i, texts[k], logprobs=lps))
+                offsets[i] = len(texts[k])
         if chunk.text or (want_logprobs and chunk.logprobs):
             lps = None
             if want_logprobs:
@@ -302,33 +386,64 @@ async def _completion_events(
 
 
 async def generate(ing: Ingress, req: GenerateHTTPRequest, http: Request) -> Response:
-    if (req.text is None) == (req.input_ids is None):
-        raise errors.bad_request("give exactly one of 'text' and 'input_ids'", "text")
-    if req.text is not None:
-        ids = await encode_prompt(ing, req.text, "text")
-    else:
-        input_ids = req.input_ids
-        assert input_ids is not None
-        check_prompt_fits(len(input_ids), ing.card.context_length, "input_ids")
-        ing.tokenizer.check_ids(input_ids, "input_ids")
-        ids = list(input_ids)
-    if not ids:
-        raise errors.bad_request("the prompt must not be empty", "text")
-    params = native_sampling_params(req, len(ids), ing.card.vocab_size, ing.card.context_length)
+    """One prompt gives one result (a list of n with n > 1); a batch gives the list of every
+    prompt's results in order (n each), its stream events numbered by `index`."""
+    ids_list, batched = await _native_prompts(ing, req)
+    params = [
+        native_sampling_params(req, given, len(ids), ing.card.vocab_size, ing.card.context_length)
+        for given, ids in zip(native_sampling_dicts(req, len(ids_list)), ids_list)
+    ]
+    n = params[0].n
+    if any(p.n != n for p in params):
+        raise errors.bad_request("every prompt of a batch must ask for the same 'n'", "sampling_params")
+    check_sequences(len(ids_list), n)
     rid = req.rid or new_id("gen")
-    streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
-    # Logprob triples carry the token's text whenever logprobs are returned (SGLang's
-    # return_text_in_logprobs is accepted; the offline Engine fills the text too).
-    seqs = Sequences(1, params.n, native_rid=rid, token_text=ing.tokenizer.token_text)
+    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream, identity_of(http)))
+    token_text = ing.tokenizer.token_text if req.return_text_in_logprobs else None
+    seqs = Sequences(len(ids_list), n, native_rid=rid, token_text=token_text, prompt_ids=ids_list)
     assert seqs.native is not None
+    indexed = batched or n > 1
     if not req.stream:
         if not await collect(streams, seqs, http):
             return Response(status_code=499)
-        return JSONResponse(seqs.native[0] if params.n == 1 else seqs.native)
-    return sse_response(guarded(_native_events(streams, seqs, params.n > 1), http))
+        return JSONResponse(seqs.native if indexed else seqs.native[0])
+    return sse_response(guarded(_native_events(streams, seqs, indexed), http))
 
 
-async def _native_events(streams: list[ReplicaStream], seqs: Sequences, indexed: bool) -> AsyncIterator[str]:
+async def _native_prompts(ing: Ingress, req: GenerateHTTPRequest) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids, and whether they came as a batch (a list)."""
+    if (req.text is None) == (req.input_ids is None):
+        raise errors.bad_request("give exactly one of 'text' and 'input_ids'", "text")
+    if req.text is not None:
+        batched = isinstance(req.text, list)
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        _check_batch_size(len(texts), "text")
+        ids_list = [await encode_prompt(ing, text, "text") for text in texts]
+    else:
+        given = req.input_ids
+        assert given is not None
+        batched = bool(given) and isinstance(given[0], list)
+        raw: list = given if batched else [given]
+        _check_batch_size(len(raw), "input_ids")
+        ids_list = []
+        for ids in raw:
+            check_prompt_fits(len(ids), ing.card.context_length, "input_ids")
+            ing.tokenizer.check_ids(ids, "input_ids")
+            ids_list.append(list(ids))
+    if any(not ids for ids in ids_list):
+        raise errors.bad_request(
+            "the prompt must not be empty", "text" if req.text is not None else "input_ids"
+        )
+    return ids_list, batched
+
+
+def _check_batch_size(num_prompts: int, param: str) -> None:
+    if num_prompts == 0:
+        raise errors.bad_request(f"'{param}' must hold at least one prompt", param)
+    check_sequences(num_prompts, 1)
+
+
+async def _native_events(streams: list[Stream], seqs: Sequences, indexed: bool) -> AsyncIterator[str]:
     """SGLang streams cumulative text and ids: each event is the whole output so far."""
     assert seqs.native is not None
     async for k, chunk in merged(streams):

@@ -65,14 +65,30 @@ class Tokenizer:
             raise InvalidRequest(f"token id {bad[0]} is out of range [0, {self.vocab_size})", "tokens")
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self.chat.render(messages, add_generation_prompt)
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        return self.chat.render(messages, add_generation_prompt, template_kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat as the model's template writes it; message contents are text only."""
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The chat as the model's template writes it (with the request's extra template
+        variables, and the tools the model may call); message contents are text only."""
         for k, m in enumerate(messages):
             _check_text(m["content"], f"messages.{k}.content")
-        return self.chat.encode(messages)
+            for key, value in m.items():
+                if key not in ("role", "content"):
+                    _check_strings(value, f"messages.{k}.{key}")
+        _check_strings(tools, "tools")
+        return self.chat.encode(messages, template_kwargs, tools, add_generation_prompt)
 
     def check_ids(self, ids: list[int], param: str) -> None:
         for t in ids:
@@ -99,6 +115,20 @@ _BYTE_OF_CHAR = {ch: b for b, ch in bytes_to_unicode().items()}
 def _check_text(text: str, param: str) -> None:
     if not text.isascii() and _SURROGATE.search(text):
         raise InvalidRequest(f"'{param}' holds a lone UTF-16 surrogate, which is not valid Unicode", param)
+
+
+def _check_strings(value: Any, param: str) -> None:
+    """`_check_text` on every string in a JSON-like value, keys included, without recursion."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            _check_text(node, param)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _max_chars_per_token(hf: Any) -> int | None:
