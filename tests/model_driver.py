@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.mem_cache.kv_pool import KVPool
-from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+from radixserve.workers.models.forward_batch import ForwardBatch
 
 
 def make_batch(
-    mode: ForwardMode, new_tokens: list[list[int]], prefix_lens: list[int], slots: list[list[int]]
+    kind: BatchKind, new_tokens: list[list[int]], prefix_lens: list[int], slots: list[list[int]]
 ) -> ForwardBatch:
     """One batch: sequence i has `prefix_lens[i]` cached tokens and `new_tokens[i]` to run.
 
@@ -30,7 +31,7 @@ def make_batch(
     out_slots = [s[p + j] for s, p, e in zip(slots, prefix_lens, extend_lens) for j in range(e)]
     ends = torch.tensor(extend_lens).cumsum(0)
     return ForwardBatch(
-        mode=mode,
+        kind=kind,
         input_ids=torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
         out_slots=torch.tensor(out_slots, dtype=torch.int64),
@@ -66,7 +67,7 @@ class ModelDriver:
             active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
             pieces = [prompts[i][done[i] : done[i] + step] for i in active]
             batch = make_batch(
-                ForwardMode.EXTEND, pieces, [done[i] for i in active], [slots[i] for i in active]
+                BatchKind.PREFILL, pieces, [done[i] for i in active], [slots[i] for i in active]
             )
             out = self.model(batch, self.pool)
             for row, i in enumerate(active):
@@ -76,7 +77,7 @@ class ModelDriver:
         outputs = [[int(last_logits[i].argmax())] for i in range(len(prompts))]
         for step in range(1, max_new_tokens):
             lens = [len(p) + step - 1 for p in prompts]
-            batch = make_batch(ForwardMode.DECODE, [[o[-1]] for o in outputs], lens, slots)
+            batch = make_batch(BatchKind.DECODE, [[o[-1]] for o in outputs], lens, slots)
             next_tokens = self.model(batch, self.pool).argmax(dim=-1).tolist()
             for o, t in zip(outputs, next_tokens):
                 o.append(int(t))
@@ -87,6 +88,6 @@ class ModelDriver:
     def logits_of(self, tokens: list[int]) -> torch.Tensor:
         """Float32 logits for the next token after `tokens` (one prefill)."""
         slots = self.pool.alloc(len(tokens))
-        out = self.model(make_batch(ForwardMode.EXTEND, [tokens], [0], [slots]), self.pool)
+        out = self.model(make_batch(BatchKind.PREFILL, [tokens], [0], [slots]), self.pool)
         self.pool.free(slots)
         return out[0]

@@ -24,6 +24,49 @@ MAX_TOKENS = 12
 
 
 LONG_TOKENS = 64
+# Valid sampling parameter sets on which a PD server answers as a unified one does: greedy (so the
+# tokens depend on the prompt alone), over the parameters whose handling differs between the two
+# paths: no token at all, one token (all on the prefill side), stop strings, a grammar (one that
+# forces its continuation forever among them), logprobs, n, biases, penalties, minimum lengths.
+PARITY_PARAMS = [
+    {"max_new_tokens": 0},
+    {"max_new_tokens": 1},
+    {"max_new_tokens": 10, "stop": [" and", "\n"]},
+    {"max_new_tokens": 6, "logprobs": True, "top_logprobs": 2},
+    {"max_new_tokens": 6, "n": 2},
+    {"max_new_tokens": 6, "logit_bias": {"28": -100, "253": -100}},
+    {"max_new_tokens": 6, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+    {"max_new_tokens": 6, "min_new_tokens": 6},
+    {"max_new_tokens": 10, "regex": "(yes|no), [a-z]+"},
+    {"max_new_tokens": 12, "ebnf": 'root ::= "a" root'},
+]
+
+
+def parity_answer(out: dict | list) -> list[tuple]:
+    """What must be equal between PD and unified answers (logprob values are compared by their
+    tokens: the two paths compute them in different kernels)."""
+    outs = out if isinstance(out, list) else [out]
+    return [
+        (
+            o["text"],
+            o["output_ids"],
+            o["meta_info"]["finish_reason"],
+            o["meta_info"]["completion_tokens"],
+            [t[1] for t in o["meta_info"].get("output_token_logprobs") or []],
+        )
+        for o in outs
+    ]
+
+
+def unified_answers(prompt: str, params: list[dict]) -> list[list[tuple]]:
+    """The unified engine's parity_answer for `prompt` under each parameter set (greedy)."""
+    from radixserve.workers import Engine
+
+    engine = Engine(dtype="float32", num_threads=1, max_total_tokens=4096)
+    try:
+        return [parity_answer(engine.generate(prompt, {**p, "temperature": 0})) for p in params]
+    finally:
+        engine.shutdown()
 
 
 def unified_reference(prompts: list[str]) -> tuple[list[list[int]], list[dict], dict]:

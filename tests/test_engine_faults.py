@@ -13,12 +13,15 @@ import pytest
 
 from radixserve.workers import Engine
 from radixserve.workers.protocol import (
+    Accepted,
+    CacheSummary,
     EngineError,
+    Failure,
     GenerateRequest,
     InvalidRequest,
     OutputChunk,
     SamplingParams,
-    decode_error,
+    decode_event,
 )
 from tests.engine_utils import assert_kv_invariant
 
@@ -159,16 +162,16 @@ def test_the_replica_sends_an_engine_error_as_an_error_message(engine, expected)
     req = request(engine, FAULTY_PROMPT, "faulty-replica")
 
     async def run():
-        return [m async for m in replica.generate(req.to_dict())]
+        return [decode_event(m) async for m in replica.generate(req.to_dict())]
 
     try:
-        messages = asyncio.run(run())
+        events = asyncio.run(run())
     finally:
         replica.engine = None  # the test's engine outlives this replica object
-    assert messages[0] == OutputChunk(rid=req.rid).to_dict()  # accepted
-    assert messages[-1]["error"]["kind"] == "engine_error"
-    assert isinstance(decode_error(messages[-1]), EngineError)
-    chunks = [OutputChunk.from_dict(m) for m in messages[1:-1]]
+    assert events[0] == Accepted(req.rid)
+    assert isinstance(events[-1], Failure) and type(events[-1].error) is EngineError
+    chunks = events[1:-1]
+    assert all(isinstance(c, OutputChunk) for c in chunks)
     assert_failed(chunks, EngineError(), expected[FAULTY_PROMPT], at_least=2)
 
 
@@ -231,6 +234,44 @@ def test_replica_calls_that_wait_for_the_engine_leave_its_event_loop_free(engine
         replica.engine = None
     assert flushed is False  # a request was in flight
     assert during_flush >= 10  # ~0.3 s of waiting, in 5 ms ticks
-    assert summary["stats"]["replica_id"] == "test"
+    assert CacheSummary.from_dict(summary).stats.replica_id == "test"
     assert card["context_length"] == engine.context_length == engine.model_config.context_length
     assert out["meta_info"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("stage", ["tokens", "text"])
+def test_the_watchdog_names_the_request_that_holds_the_engine_thread(engine, expected, stage, caplog):
+    """A request's own work that outlives the watchdog's deadline is logged with its id while the
+    engine thread is still inside it; the request then finishes normally."""
+    watchdog = engine.core.watchdog
+    deadline, slow = watchdog.deadline_s, watchdog.slow_s
+    # The hook holds the thread until the stall is logged: at least the deadline, so a slow_s
+    # below it makes the finished mark's own line certain whatever the watchdog's polling period.
+    watchdog.deadline_s, watchdog.slow_s = 0.2, 0.1
+    key = f"slow-{stage}#0"
+
+    def hook(s, req):
+        if s == stage and req.key == key and len(req.output_ids) == 2:
+            give_up = time.monotonic() + 10
+            while (watchdog.last_stall or ("", ()))[1] != (key,) and time.monotonic() < give_up:
+                time.sleep(0.01)
+
+    engine.core.worker.fault_hook = hook
+    try:
+        with caplog.at_level("WARNING", logger="radixserve.engine"):
+
+            async def run():
+                slow = engine.submit(request(engine, FAULTY_PROMPT, f"slow-{stage}"))
+                others = [collect(engine.submit(request(engine, p))) for p in PROMPTS]
+                return await asyncio.gather(collect(slow), *others)
+
+            (chunks, error), *healthy = asyncio.run(run())
+    finally:
+        watchdog.deadline_s, watchdog.slow_s = deadline, slow
+    assert error is None and tokens(chunks) == expected[FAULTY_PROMPT]
+    assert_healthy(healthy, expected)
+    what = {"tokens": "appending a sampled token", "text": "detokenizing"}[stage]
+    logged = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    stalls = [m for m in logged if m.startswith(f"the engine thread has been in {what}")]
+    assert len(stalls) == 1 and f"(request {key})" in stalls[0], logged
+    assert any(m.startswith(what) and " took " in m for m in logged), logged

@@ -8,7 +8,14 @@ import torch
 
 from radixserve.cluster.config import parse_cli
 from radixserve.workers.engine.config import EngineConfig
-from radixserve.workers.protocol import InvalidRequest, SamplingParams, check_context_length
+from radixserve.workers.protocol import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    InvalidRequest,
+    SamplingParams,
+    check_context_length,
+)
 
 
 # Configuration ----------------------------------------------------------------------------------
@@ -121,6 +128,51 @@ def test_other_temperatures_sample(temperature):
         ({"temperature": 10**400}, "temperature", "'temperature' must be a finite number"),
         ({"min_p": -(10**400)}, "min_p", "'min_p' must be a finite number"),
         ({"logit_bias": {"1": 10**400}}, "logit_bias", "'logit_bias' must map token ids to numbers"),
+        # Keys are canonical decimal token ids: no spelling int() would also take, so that two
+        # keys never name one token ("12" and "012" merged silently before).
+        (
+            {"logit_bias": {" 12 ": 1}},
+            "logit_bias",
+            "'logit_bias' keys must be token ids in decimal, got ' 12 '",
+        ),
+        (
+            {"logit_bias": {"1_0": 1}},
+            "logit_bias",
+            "'logit_bias' keys must be token ids in decimal, got '1_0'",
+        ),
+        (
+            {"logit_bias": {"\u0665": 1}},
+            "logit_bias",
+            "'logit_bias' keys must be token ids in decimal, got '\u0665'",
+        ),
+        (
+            {"logit_bias": {"12": 1, "012": 2}},
+            "logit_bias",
+            "'logit_bias' keys must be token ids in decimal, got '012'",
+        ),
+        ({"logit_bias": {"+3": 1}}, "logit_bias", "'logit_bias' keys must be token ids in decimal, got '+3'"),
+        (
+            {"logit_bias": {True: 1}},
+            "logit_bias",
+            "'logit_bias' keys must be token ids in decimal, got 'True'",
+        ),
+        ({"logit_bias": {"1": True}}, "logit_bias", "'logit_bias' must map token ids to numbers"),
+        ({"logit_bias": [[1, 2]]}, "logit_bias", "'logit_bias' must map token ids to numbers"),
+        (
+            {"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}},
+            "logit_bias",
+            f"'logit_bias' may have at most {MAX_LOGIT_BIAS} entries",
+        ),
+        (
+            {"stop": ["x" * (MAX_STOP_CHARS + 1)]},
+            "stop",
+            f"a stop string may be at most {MAX_STOP_CHARS} characters long",
+        ),
+        (
+            {"stop": ["s"] * (MAX_STOP_STRINGS + 1)},
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings are allowed",
+        ),
     ],
 )
 def test_out_of_range_parameters_are_refused(params, param, message):
@@ -132,6 +184,15 @@ def test_out_of_range_parameters_are_refused(params, param, message):
 def test_every_accepted_seed_seeds_a_generator(seed):
     p = SamplingParams.from_dict({"seed": seed})
     torch.Generator().manual_seed(p.seed)  # what the engine does with it: no error
+
+
+def test_logit_bias_keys_that_are_token_ids():
+    p = SamplingParams.from_dict({"logit_bias": {"0": 1, "12": -100, 7: 2.5, "49151": 100}})
+    assert p.logit_bias == {0: 1.0, 12: -100.0, 7: 2.5, 49151: 100.0}
+    p = SamplingParams.from_dict(
+        {"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS)}, "stop": ["x" * MAX_STOP_CHARS]}
+    )
+    assert len(p.logit_bias) == MAX_LOGIT_BIAS
 
 
 def test_limits_that_are_still_accepted():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from radixserve.workers.constrained.forced_text import MAX_JUMP_BYTES
 from radixserve.workers.constrained.grammar import Grammar, apply_bitmask, jump_forward_tokens
 from radixserve.workers.constrained.grammar_backend import GrammarBackend
 from radixserve.workers.constrained.parser import MAX_GRAMMAR_CHARS, MAX_JSON_DEPTH, check_json_schema
@@ -368,6 +369,48 @@ def test_jump_forward_falls_back_when_the_boundary_merges(backend, tok):
     assert grammar.jump_forward() == '"name": "'
     assert jump_forward_tokens(tok, grammar, last_token=brace) == tok.encode('"name": "')[:-1]
     assert grammar.jump_forward() == tok.decode(tok.encode('"name": "')[-1:])
+
+
+# Grammars whose continuation is forced forever: xgrammar's own search would never return.
+FORCED_FOREVER = [
+    ("ebnf", 'root ::= "a" root'),
+    ("ebnf", 'root ::= "x" | "y" tail\ntail ::= "ab" tail'),  # forced forever only after "y"
+    (
+        "json_schema",
+        json.dumps({"type": "object", "required": ["next"], "properties": {"next": {"$ref": "#"}}}),
+    ),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind, text", FORCED_FOREVER, ids=["a-root", "after-y", "self-required"])
+def test_jump_forward_is_bounded_when_the_grammar_forces_forever(backend, tok, kind, text):
+    grammar = backend.new_matcher(compiled(backend, kind, text))
+    if kind == "ebnf" and "tail" in text:
+        assert grammar.jump_forward() == ""  # "x" or "y": nothing forced yet
+        assert grammar.accept_token(tok.convert_tokens_to_ids("y"))
+    started = time.perf_counter()
+    forced = grammar.jump_forward()
+    assert len(forced.encode()) == MAX_JUMP_BYTES
+    assert grammar.jump_forward(40) == forced[:40]
+    tokens = jump_forward_tokens(tok, grammar, max_tokens=7)
+    assert 0 < len(tokens) <= 7 and forced.startswith(tok.decode(tokens))
+    assert time.perf_counter() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    "kind, text",
+    [
+        ("json_schema", json.dumps(LONG_KEYS)),
+        ("regex", r'\{"name": "[a-z]+", "id": (1|2)\}'),
+        ("regex", "caf\u00e9 (na\u00efve|na\u00efvet\u00e9)"),  # several bytes per character
+        ("ebnf", 'root ::= "ab" ("cd" | "ce") "f"'),
+    ],
+)
+def test_jump_forward_equals_xgrammars_search_where_that_ends(backend, tok, kind, text):
+    grammar = backend.new_matcher(compiled(backend, kind, text))
+    native = grammar._matcher.find_jump_forward_string()
+    assert native and grammar.jump_forward() == native
 
 
 # ---- bad grammars ------------------------------------------------------------------------------

@@ -109,7 +109,11 @@ def test_default_model_bf16_logits_close_to_hf_fp32(default_case):
         with torch.inference_mode():
             ref = hf(torch.tensor([prompt])).logits[0, -1]
         assert logits.dtype == torch.float32
-        assert int(logits.argmax()) == int(ref.argmax())
+        # The same top token, unless the reference's top two are within one bf16 step at their
+        # magnitude (0.125 in [16, 32)): which bf16 GEMM the CPU has (AVX512-BF16, AMX, or torch's
+        # conversion on AVX2) may then decide the tie either way.
+        top = int(logits.argmax())
+        assert top == int(ref.argmax()) or float(ref.max() - ref[top]) < 0.125, (top, int(ref.argmax()))
         p, q = torch.softmax(ref, -1), torch.softmax(logits, -1)
         assert 0.5 * (p - q).abs().sum() < 0.08  # total variation distance
 

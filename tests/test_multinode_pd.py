@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow  # starts a multi-node Ray cluster and a live Serv
 REPO = Path(__file__).resolve().parents[1]
 APP = "radixserve"
 GREEDY = {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+POOL_NODES: dict[str, str] = {}  # pool -> the id of the node that advertises its resource
 
 
 def serve_pd_config(port: int) -> dict:
@@ -60,10 +61,14 @@ def http(reference) -> Iterator[httpx.Client]:
 
     with keeping_current_cluster_file():
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
+    # Each worker advertises one pool's resource, as deploy/cluster-aws.yaml's node types do:
+    # serve-pd.yaml's pools ask for them.
+    pool_nodes = {
+        pool: cluster.add_node(num_cpus=1, resources={f"{pool}_pool": 1}) for pool in ("prefill", "decode")
+    }
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
+    POOL_NODES.update({pool: node.node_id for pool, node in pool_nodes.items()})
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
@@ -87,8 +92,8 @@ def http(reference) -> Iterator[httpx.Client]:
 
 def test_prefill_and_decode_run_on_different_nodes(http):
     nodes = replica_nodes()
-    assert set(nodes) == {"PrefillReplica", "DecodeReplica"}
-    assert nodes["PrefillReplica"] != nodes["DecodeReplica"]
+    # Each pool on the node that advertises its resource.
+    assert nodes == {"PrefillReplica": POOL_NODES["prefill"], "DecodeReplica": POOL_NODES["decode"]}
     wait_idle(http)
 
 

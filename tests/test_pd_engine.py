@@ -14,7 +14,14 @@ import pytest
 
 from radixserve.workers import Engine
 from radixserve.workers.engine.commands import ReserveRequest
-from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams, TransferFailed
+from radixserve.workers.protocol import (
+    EngineLoad,
+    GenerateRequest,
+    OutputChunk,
+    QueueFull,
+    SamplingParams,
+    TransferFailed,
+)
 from tests.engine_utils import assert_kv_invariant
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -64,12 +71,24 @@ def merge(outs: dict[int, dict], chunk: OutputChunk, final: bool) -> None:
 
 
 async def pd_run(prefill: Engine, decode: Engine, req: GenerateRequest) -> dict[int, dict]:
+    """As the ingress serves a PD request, renewing the reservation until the first token (a
+    grammar compiled on the prefill side may take longer than a lease on a busy machine)."""
     dstream, done = decode.reserve(req)
     tickets = await asyncio.wrap_future(done)
     assert len(tickets) == req.sampling_params.n
+
+    async def renew() -> None:
+        while True:
+            decode.renew([req.rid])
+            await asyncio.sleep(decode.config.kv_transfer_timeout_s / 4)
+
+    renewing = asyncio.ensure_future(renew())
     outs: dict[int, dict] = {}
-    async for chunk in prefill.submit(dataclasses.replace(req, kv_tickets=tickets)):
-        merge(outs, chunk, final=False)
+    try:
+        async for chunk in prefill.submit(dataclasses.replace(req, kv_tickets=tickets)):
+            merge(outs, chunk, final=False)
+    finally:
+        renewing.cancel()
     async for chunk in dstream:
         merge(outs, chunk, final=True)
     return outs
@@ -161,7 +180,7 @@ def test_the_transfer_moves_each_layer_as_the_last_chunk_computes_it(engines):
     the last chunk (the first 64 tokens go at once), and each layer of the last 6 is queued from
     inside the forward, once that layer has run. Output still equals unified."""
     unified, prefill, decode = engines
-    handoff = prefill.core.handoff
+    handoff = prefill.core.connector
     real, seen = handoff.stream_layers, []
 
     def spy(plan, layerwise):
@@ -293,3 +312,174 @@ def test_decode_side_gone_after_reserving_the_prefill_side_frees_its_slots(engin
     assert_kv_invariant(prefill)  # waits until the send settled and the slots are back
     assert prefill.stats()["pd_transfers_failed_total"] == failed + 1
     assert time.monotonic() - answered < 8.0  # well before the send's deadline
+
+
+LEASE_S = 2.0  # the small decode engine's kv_transfer_timeout_s: its reservations' lease
+
+
+@pytest.fixture(scope="module")
+def small_decode(checkpoint):
+    """A decode engine with KV room for one 100-token prompt at a time, whose reservations'
+    leases run out after LEASE_S."""
+    engine = Engine(
+        checkpoint, role="decode", kv_transfer_timeout_s=LEASE_S, **{**ENGINE_ARGS, "max_total_tokens": 160}
+    )
+    yield engine
+    engine.shutdown()
+
+
+SP = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+
+
+async def finish_pd(prefill: Engine, req: GenerateRequest, tickets: list, stream) -> list[int]:
+    """The prefill with the tickets, then the decode stream: every token of sequence 0."""
+    ids = [t async for c in prefill.submit(dataclasses.replace(req, kv_tickets=tickets)) for t in c.token_ids]
+    return ids + [t async for c in stream for t in c.token_ids]
+
+
+def test_a_reservation_waits_for_room_and_is_served_once_room_is_freed(engines, small_decode):
+    """No room now: a reservation that may wait does (one that may not is refused at once), and
+    gets its slots the moment a holder lets go; the request is then served whole."""
+    _, prefill, _ = engines
+    decode = small_decode
+
+    async def go():
+        holder = GenerateRequest(list(range(600, 700)), SP)
+        hstream, hdone = decode.reserve(holder)
+        await asyncio.wrap_future(hdone)
+        waiting = GenerateRequest(list(range(700, 800)), SP, stream=True)
+        stream, done = decode.reserve(waiting, wait_s=30)
+        try:
+            # The engine thread parks it among the waiting reservations (on a loaded machine that
+            # takes a while: wait for it rather than for a fixed time).
+            deadline = time.monotonic() + 10
+            while not decode.core.connector.reservations and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert not done.done() and len(decode.core.connector.reservations) == 1
+            _, quick = decode.reserve(GenerateRequest(list(range(800, 870)), SP))
+            with pytest.raises(QueueFull, match="KV pool is full"):
+                await asyncio.wrap_future(quick)
+        except BaseException:
+            decode.abort(waiting.rid)  # leave the shared small pool empty for the next test
+            raise
+        finally:
+            decode.abort(holder.rid)
+        assert [c.finish_reason["type"] for c in [c async for c in hstream]][-1] == "abort"
+        tickets = await asyncio.wait_for(asyncio.wrap_future(done), timeout=10)
+        assert len(decode.core.connector.reservations) == 0
+        return await finish_pd(prefill, waiting, tickets, stream)
+
+    assert len(asyncio.run(asyncio.wait_for(go(), timeout=60))) == 4
+    assert_kv_invariant(decode)
+
+
+def test_a_reservation_that_finds_no_room_within_its_wait_is_refused(small_decode):
+    decode = small_decode
+
+    async def go():
+        holder = GenerateRequest(list(range(900, 1000)), SP)
+        hstream, hdone = decode.reserve(holder)
+        await asyncio.wrap_future(hdone)
+        t0 = time.monotonic()
+        _, done = decode.reserve(GenerateRequest(list(range(1000, 1100)), SP), wait_s=0.5)
+        with pytest.raises(QueueFull, match="KV pool is full"):
+            await asyncio.wrap_future(done)
+        waited = time.monotonic() - t0
+        decode.abort(holder.rid)
+        _ = [c async for c in hstream]
+        return waited
+
+    waited = asyncio.run(asyncio.wait_for(go(), timeout=30))
+    assert 0.5 <= waited < 0.5 + 1.0
+    assert len(decode.core.connector.reservations) == 0
+    assert_kv_invariant(decode)
+
+
+def test_a_prefill_queue_longer_than_the_lease_does_not_time_the_reservation_out(engines, small_decode):
+    """The prefill waits three leases (queued behind others) while the ingress renews the
+    reservation: its KV still lands and the request is served; the lease then bounds only the
+    transfer."""
+    _, prefill, _ = engines
+    decode = small_decode
+
+    async def go():
+        req = GenerateRequest(list(range(1100, 1140)), SP, stream=True)
+        stream, done = decode.reserve(req)
+        tickets = await asyncio.wrap_future(done)
+        queued_until = time.monotonic() + 3 * LEASE_S
+        while time.monotonic() < queued_until:
+            assert decode.renew([req.rid, "another-ingress-request"]) == 1
+            await asyncio.sleep(LEASE_S / 4)
+        return await finish_pd(prefill, req, tickets, stream)
+
+    assert len(asyncio.run(asyncio.wait_for(go(), timeout=60))) == 4
+    assert_kv_invariant(decode)
+
+
+def test_a_silent_prefill_side_frees_the_reservation_within_one_lease(small_decode):
+    """Nobody renews the reservation and no KV comes (the prefill side and its ingress died):
+    the request fails at the end of its lease, and its slots are back."""
+    decode = small_decode
+
+    async def go():
+        req = GenerateRequest(list(range(1200, 1250)), SP)
+        stream, done = decode.reserve(req)
+        await asyncio.wrap_future(done)
+        t0 = time.monotonic()
+        with pytest.raises(TransferFailed, match="the reservation's lease ran out"):
+            async for _ in stream:
+                pass
+        return time.monotonic() - t0
+
+    failed_after = asyncio.run(asyncio.wait_for(go(), timeout=30))
+    assert LEASE_S - 0.1 <= failed_after < LEASE_S + 1.0
+    assert_kv_invariant(decode)
+
+
+def test_each_pool_reports_its_own_latency_for_autoscaling(engines):
+    """Each engine's load (its autoscaling metrics) carries the latency its pool scales on: the
+    prefill engine its requests' time to first token, the decode engine their inter-token latency
+    (their first tokens came from the prefill side: it has no TTFT of its own), the unified one
+    both."""
+    unified, prefill, decode = engines
+    run_both(engines, PROMPTS[1], {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # published at the next step boundary
+        p, d, u = prefill.load(), decode.load(), unified.load()
+        if p.ttft_s and d.itl_s and u.ttft_s and u.itl_s:
+            break
+        time.sleep(0.05)
+    assert p.ttft_s > 0 and p.itl_s == 0  # a prefill replica samples one token per sequence
+    assert d.itl_s > 0 and d.ttft_s == 0
+    assert u.ttft_s > 0 and u.itl_s > 0
+    assert EngineLoad.from_metrics(p.to_metrics()) == p  # what Serve carries to the policy
+
+
+def test_pd_prefill_side_computes_the_prompt_logprobs(engines):
+    """The ingress reserves on the decode side without them; the prefill replica's first chunk
+    carries them, as a unified engine's does."""
+    unified, prefill, decode = engines
+    sp = SamplingParams.from_dict(
+        {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logprob_start_len": 3, "top_logprobs": 2}
+    )
+    req = GenerateRequest(list(PROMPTS[1]), sp, stream=True)
+
+    async def pd() -> tuple[list[OutputChunk], list[OutputChunk]]:
+        plain = dataclasses.replace(sp, logprob_start_len=-1)
+        dstream, done = decode.reserve(dataclasses.replace(req, sampling_params=plain))
+        tickets = await asyncio.wrap_future(done)
+        first = [c async for c in prefill.submit(dataclasses.replace(req, kv_tickets=tickets))]
+        return first, [c async for c in dstream]
+
+    async def alone() -> list[OutputChunk]:
+        return [c async for c in unified.submit(dataclasses.replace(req, rid="alone"))]
+
+    first, rest = asyncio.run(pd())
+    ref = asyncio.run(alone())
+    got, want = first[0].input_logprobs, ref[0].input_logprobs
+    assert got is not None and want is not None and len(got) == len(want) == len(PROMPTS[1]) - 3
+    assert [lp.token_id for lp in got] == [lp.token_id for lp in want] == PROMPTS[1][3:]
+    assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
+    assert all(c.input_logprobs is None for c in first[1:] + rest + ref[1:])
+    pd_ids = [t for c in first + rest for t in c.token_ids]
+    assert pd_ids == [t for c in ref for t in c.token_ids]

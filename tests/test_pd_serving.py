@@ -16,10 +16,13 @@ import pytest
 from tests.pd_utils import (
     LONG_TOKENS,
     MAX_TOKENS,
+    PARITY_PARAMS,
     PD_ARGS,
     PROMPTS,
     kill_replica,
+    parity_answer,
     replicas,
+    unified_answers,
     unified_reference,
     wait_idle,
 )
@@ -33,8 +36,16 @@ def reference():
     return unified_reference(PROMPTS)  # before Ray starts: the replicas get the CPUs to themselves
 
 
+PARITY_PROMPT = "Answer yes or no, then one word: is the sea salty? Then say why, and"
+
+
 @pytest.fixture(scope="module")
-def url(reference):
+def parity_reference(reference):
+    return unified_answers(PARITY_PROMPT, PARITY_PARAMS)  # before Ray starts, as `reference`
+
+
+@pytest.fixture(scope="module")
+def url(reference, parity_reference):
     with running_app({**PD_ARGS, "kv_transfer": "gloo"}) as base:
         yield base
 
@@ -79,6 +90,52 @@ def test_greedy_output_equals_unified(http, reference):
     stats = {r["role"]: r for r in http.get("/get_server_info").json()["replicas"]}
     assert stats["prefill"]["generation_tokens_total"] >= len(ids)
     assert stats["decode"]["generation_tokens_total"] >= len(ids) * (MAX_TOKENS - 1)
+
+
+@pytest.mark.parametrize("k", range(len(PARITY_PARAMS)), ids=[str(p) for p in PARITY_PARAMS])
+def test_pd_answers_as_unified_does(http, parity_reference, k):
+    params = {**PARITY_PARAMS[k], "temperature": 0}
+    r = http.post("/generate", json={"text": PARITY_PROMPT, "sampling_params": params})
+    assert r.status_code == 200, r.text
+    assert parity_answer(r.json()) == parity_reference[k]
+
+
+def test_no_new_tokens_is_no_transfer(http):
+    """Nothing to decode: a prefill replica answers it whole, as a unified one does. No decode
+    reservation, no transfer (so no transfer to fail), the prompt cached on the prefill side."""
+    before = {r["role"]: r for r in replicas(http)}
+    params = {"max_new_tokens": 0, "temperature": 0}
+    out = http.post("/generate", json={"text": PARITY_PROMPT + " more", "sampling_params": params}).json()
+    assert (out["text"], out["meta_info"]["finish_reason"]["type"]) == ("", "length")
+    after = {r["role"]: r for r in replicas(http)}
+    assert after["prefill"]["num_requests_total"] == before["prefill"]["num_requests_total"] + 1
+    assert after["decode"]["num_requests_total"] == before["decode"]["num_requests_total"]
+    assert after["prefill"]["pd_bytes_sent_total"] == before["prefill"]["pd_bytes_sent_total"]
+    assert after["decode"]["pd_bytes_received_total"] == before["decode"]["pd_bytes_received_total"]
+
+
+def test_prompt_logprobs_come_from_the_prefill_side(http, reference):
+    ids, expected, _ = reference
+    body = {
+        "input_ids": ids[0],
+        "sampling_params": GREEDY,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+    }
+    whole = http.post("/generate", json=body).json()
+    meta = whole["meta_info"]
+    assert whole["output_ids"] == expected[0]["output_ids"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[0]
+    assert meta["input_token_logprobs"][0][0] is None and len(meta["output_token_logprobs"]) == MAX_TOKENS
+    assert all(len(top) == 2 for top in meta["input_top_logprobs"][1:])
+    streamed = http.post("/generate", json={**body, "logprob_start_len": 2, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    tail = events[-1]["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in tail] == ids[0][2:]
+    assert [lp for lp, _, _ in tail] == pytest.approx(
+        [lp for lp, _, _ in meta["input_token_logprobs"][2:]], abs=0.05
+    )
 
 
 def test_streaming_and_n_and_logprobs_through_openai(client, reference):

@@ -113,7 +113,7 @@ def test_pd_tp2_greedy_equals_unified_tp1(engines, prompt):
     assert pd[0]["ids"] == ref[0]["ids"] and pd[0]["text"] == ref[0]["text"]
     assert pd[0]["finish"] == ref[0]["finish"]
     (ticket,) = tickets
-    assert len(ticket["rank_endpoints"]) == 1  # rank 1's own endpoint travels with the ticket
+    assert len(ticket.rank_endpoints) == 1  # rank 1's own endpoint travels with the ticket
 
 
 def test_pd_tp2_n_and_a_grammar(engines):
@@ -150,8 +150,8 @@ def test_follow_up_turn_moves_only_new_tokens_on_every_rank(engines):
     turn2 = first + pd[0]["ids"] + list(range(400, 420))
     pd, ref, tickets = run_both(engines, turn2)
     assert pd[0]["ids"] == ref[0]["ids"]
-    held = tickets[0]["held_tokens"]
-    assert held >= 32 and len(tickets[0]["dst_slots"]) == len(turn2) - held
+    held = tickets[0].held_tokens
+    assert held >= 32 and len(tickets[0].dst_slots) == len(turn2) - held
 
 
 def test_abort_while_reserved_frees_every_rank(engines):
@@ -179,7 +179,7 @@ def test_one_ranks_part_failing_fails_the_request_on_both_sides(engines):
         req = GenerateRequest(list(PROMPTS[1]), SamplingParams(max_new_tokens=4, temperature=0))
         stream, done = decode.reserve(req)
         (ticket,) = await asyncio.wrap_future(done)
-        forged = {**ticket, "rank_endpoints": [ticket["endpoint"]]}
+        forged = dataclasses.replace(ticket, rank_endpoints=(ticket.endpoint,))
         chunks = await asyncio.to_thread(prefill.generate, dataclasses.replace(req, kv_tickets=[forged]))
         assert len(chunks) == 1  # the first token, from the prefill replica
         with pytest.raises(TransferFailed, match="rank 1"):

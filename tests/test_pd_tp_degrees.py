@@ -179,7 +179,7 @@ def reference(r: Replicas, ids: list[int], **params: Any) -> dict:
 
 def peers_received(engine: Engine) -> dict[str, int]:
     """Transfers this replica's rank 0 received, by sending rank."""
-    peers = engine.core.handoff.transfer.stats_snapshot()["peers"]
+    peers = engine.core.connector.transfer.stats_snapshot()["peers"]
     return {p: s.get("transfers_received", 0) for p, s in peers.items()}
 
 
@@ -191,7 +191,7 @@ def test_tp2_prefill_into_tp1_decode_equals_unified(replicas, prompt):
     assert pd[0]["ids"] == ref[0]["ids"] and pd[0]["text"] == ref[0]["text"]
     assert pd[0]["finish"] == ref[0]["finish"]
     (ticket,) = tickets
-    assert ticket["sender_tp_size"] == 2 and "rank_endpoints" not in ticket
+    assert ticket.sender_tp_size == 2 and ticket.rank_endpoints == ()
     # Both prefill ranks sent a part into the one decode pool.
     received = peers_received(replicas.decode1)
     assert len(received) == 2 and sum(received.values()) == before + 2
@@ -203,7 +203,7 @@ def test_tp1_prefill_into_tp2_decode_equals_unified(replicas, prompt):
     ref = reference(replicas, prompt)
     assert pd[0]["ids"] == ref[0]["ids"] and pd[0]["text"] == ref[0]["text"]
     assert pd[0]["finish"] == ref[0]["finish"]
-    sent = replicas.prefill1.core.handoff.transfer.stats_snapshot()["peers"]
+    sent = replicas.prefill1.core.connector.transfer.stats_snapshot()["peers"]
     assert len(sent) == 2  # one pair per decode rank, each with its own heads
 
 
@@ -222,8 +222,8 @@ def test_n_a_grammar_and_a_follow_up_turn_across_degrees(replicas):
     turn2 = first + pd[0]["ids"] + list(range(400, 420))
     pd, tickets = tp2_to_tp1(replicas, turn2)
     assert pd[0]["ids"] == reference(replicas, turn2)[0]["ids"]
-    held = tickets[0]["held_tokens"]
-    assert held >= 32 and len(tickets[0]["dst_slots"]) == len(turn2) - held
+    held = tickets[0].held_tokens
+    assert held >= 32 and len(tickets[0].dst_slots) == len(turn2) - held
 
 
 def test_abort_while_reserved_frees_every_part(replicas):

@@ -35,7 +35,7 @@ def run(sched, reqs, max_steps=10_000):
         sched.add(r)
     plans = []
     for _ in range(max_steps):
-        sched.take_aborted()
+        sched.take_ended(lambda r: False)
         plan = sched.schedule()
         if plan is None:
             break
@@ -107,6 +107,23 @@ def test_lpm_in_batch_dedup_defers_shared_prefix():
     check_idle(pool, cache)
 
 
+def test_lpm_dedup_defers_behind_a_chunked_prefill_of_the_same_prefix():
+    """A fork's branches on a cold cache, the shared part longer than a chunk: the others wait
+    while the first one's chunks are computed (each published as it lands), never computing one
+    of its chunks beside it, and then reuse the whole shared part."""
+    sched, pool, cache = make(chunked_prefill_size=64)
+    shared = list(range(500, 600))
+    reqs = [req(f"r{i}", shared + [i + 1, i + 2]) for i in range(3)]
+    outs, plans = run(sched, reqs)
+    prefills = [p for p in plans if p[0] is BatchKind.PREFILL]
+    # r0 in two chunks; in the second one's round 26 tokens of budget are left, and r1 (whose
+    # match ends where that chunk starts) would have spent them on the same tokens.
+    assert prefills[:2] == [(BatchKind.PREFILL, ["r0#0"], [64]), (BatchKind.PREFILL, ["r0#0"], [38])]
+    assert reqs[1].cached_tokens == 100 and reqs[2].cached_tokens == 100
+    assert sum(sum(p[2]) for p in prefills) == 102 + 2 + 2
+    check_idle(pool, cache)
+
+
 @pytest.fixture
 def optimistic(monkeypatch):
     """Admit as if requests will stop early, so running ones must be retracted later."""
@@ -150,7 +167,7 @@ def test_abort_waiting_and_running_frees_slots():
     a.output_ids.append(1)
     assert pool.available() < pool.size
     a.aborted = b.aborted = True
-    gone = sched.take_aborted()
+    gone = sched.take_ended(lambda r: False)
     assert {r.key for r in gone} == {"a#0", "b#0"}
     assert not sched.has_work()
     assert all(r.status is ReqStatus.FINISHED for r in gone)
@@ -259,7 +276,7 @@ def test_a_sequence_that_cannot_fit_alone_fails_with_an_error(optimistic):
     assert len(r.output_ids) == 32 - 30 + 1  # decoded until the pool was full
     assert r.error == "out of KV cache memory: the sequence does not fit in the KV pool even alone"
     assert r.finish_reason is None  # the engine turns the error into an EngineError
-    assert sched.take_aborted() == [r]  # at the next step boundary
+    assert sched.take_ended(lambda r: False) == [r]  # at the next step boundary
     assert not sched.has_work() and r.status is ReqStatus.FINISHED
     check_idle(pool, c)
 
@@ -275,8 +292,56 @@ def test_a_failed_sequence_publishes_only_its_cached_prefix(cache):
     assert [x.key for x in plan.reqs] == ["x#0"]
     cached_before = c.evictable_size() + c.protected_size()
     r.error, r.aborted = "the model step failed", True
-    assert [x.key for x in sched.take_aborted()] == ["x#0"]
+    assert [x.key for x in sched.take_ended(lambda r: False)] == ["x#0"]
     # The failed chunk's slots went back to the pool; the tree holds only what it held before.
     assert c.evictable_size() + c.protected_size() == cached_before
     assert cached_before == (16 + 8 if cache else 0)  # the warm prompt, then x's first chunk
     check_idle(pool, c)
+
+
+def drive_arrivals(sched, reqs, every=3):
+    """Requests arrive one every `every` steps while the earlier ones run; returns
+    (outputs, plans as (kind, [(key, extend_len)]))."""
+    pending, plans, step = list(reqs), [], 0
+    while pending or sched.has_work():
+        if pending and step % every == 0:
+            sched.add(pending.pop(0))
+        step += 1
+        plan = sched.schedule()
+        if plan is None:
+            continue
+        plans.append((plan.kind, [(r.key, n) for r, n in zip(plan.reqs, plan.extend_lens)]))
+        fake_step(sched, plan)
+    return {r.key: list(r.output_ids) for r in reqs}, plans
+
+
+@pytest.mark.parametrize("pool_tokens", [4096, 160])
+def test_mixed_steps_carry_every_decode_and_change_no_output(pool_tokens, optimistic):
+    prompts = [list(range(50 * i + 1, 50 * i + 41 + i)) for i in range(6)]
+    runs = {}
+    for mixed in (False, True):
+        sched, pool, cache = make(pool_tokens=pool_tokens, chunked_prefill_size=16, enable_mixed_chunk=mixed)
+        runs[mixed] = drive_arrivals(sched, [req(f"m{i}", p, max_new=12) for i, p in enumerate(prompts)])
+        check_idle(pool, cache)
+    (ref, plain), (outs, mixed) = runs[False], runs[True]
+    assert outs == ref
+    assert all(len(o) == 12 for o in outs.values())
+    # Without mixing a step is all prefill or all decode; with it, prefill steps carry decodes.
+    assert not any({n == 1 for _k, n in p} == {True, False} for kind, p in plain if kind is BatchKind.PREFILL)
+    carried = [p for kind, p in mixed if kind is BatchKind.PREFILL and any(n == 1 for _k, n in p)]
+    assert carried and any(n > 1 for p in carried for _k, n in p)
+    if pool_tokens == 4096:  # nothing retracted: a decoding sequence advances at every step
+        assert max(decode_gaps(mixed)) == 1 < max(decode_gaps(plain))
+
+
+def decode_gaps(plans):
+    """Steps between a sequence's consecutive sampled tokens (its last prefill chunk's first),
+    over every sequence."""
+    seen: dict[str, list[int]] = {}
+    for k, (_kind, p) in enumerate(plans):
+        for key, n in p:
+            steps = seen.setdefault(key, [])
+            if n > 1:
+                steps.clear()  # a chunk: the tokens are sampled from its last chunk on
+            steps.append(k)
+    return [b - a for steps in seen.values() for a, b in zip(steps, steps[1:])]

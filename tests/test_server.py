@@ -18,7 +18,7 @@ import openai
 import pytest
 import ray
 
-from tests.serve_utils import abort_mid_stream, running_app
+from tests.serve_utils import abort_mid_stream, running_app, sse_events
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
@@ -273,6 +273,40 @@ def test_flush_cache_and_abort_request(http, client, model):
     assert http.post("/flush_cache").json()["success"] is True
     assert replica(http)["kv_evictable"] == 0
     abort_mid_stream(http, max_tokens=3000)
+    wait_idle(http)
+
+
+def test_abort_by_rid_stops_every_prompt_and_sample_of_a_request(http):
+    """Two prompts x n = 2 run as four sequences; aborting the client's rid ends all four. Their
+    engine-side ids cannot be a client's: a request whose own rid is `<rid>-1` runs beside them."""
+    rid = f"multi-{uuid.uuid4().hex[:8]}"
+    body = {
+        "prompt": ["Write a long story.", "Tell me a long tale."],
+        "n": 2,
+        "max_tokens": 800,  # all four fit in the pool at once (each prompt waits for its first token)
+        "stream": True,
+        "rid": rid,
+        "ignore_eos": True,
+    }
+    with http.stream("POST", "/v1/completions", json=body) as s:
+        lines = s.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        beside = http.post(
+            "/v1/completions",
+            json={"prompt": "Count:", "max_tokens": 4, "rid": f"{rid}-1", "ignore_eos": True},
+        )
+        assert beside.status_code == 200, beside.text
+        assert beside.json()["usage"]["completion_tokens"] == 4
+        assert http.post("/abort_request", json={"rid": rid}).json() == {"rid": rid, "aborted": True}
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    finished = {
+        c["index"]: c["finish_reason"]
+        for e in events[:-1]
+        for c in json.loads(e)["choices"]
+        if c.get("finish_reason")
+    }
+    assert finished == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
     wait_idle(http)
 
 
@@ -569,6 +603,30 @@ def test_chat_response_format_json_schema_and_json_object(client, model, http):
     wait_idle(http)
 
 
+def test_chat_template_kwargs(http):
+    """They reach the template (SmolLM2's ignores enable_thinking); without a reasoning parser the
+    message has no reasoning fields and the usage no reasoning count."""
+    import jsonschema
+
+    body = {
+        "messages": user("Describe a person."),
+        "max_tokens": 80,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    message, usage = r.json()["choices"][0]["message"], r.json()["usage"]
+    jsonschema.validate(json.loads(message["content"]), PERSON)
+    assert "reasoning_content" not in message and "completion_tokens_details" not in usage
+    for bad in [{"messages": []}, {"add_generation_prompt": False}, [1], "x"]:
+        r = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": bad})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    wait_idle(http)
+
+
 def test_regex_ebnf_and_json_schema_extensions(client, model, http):
     r = client.completions.create(
         model=model, prompt="Answer yes or no:", max_tokens=8, extra_body={"regex": "(yes|no)"}
@@ -621,6 +679,274 @@ def test_bad_grammars_are_400_and_serving_goes_on(http, model, extra, param):
     wait_idle(http)
 
 
+# Tool calling ----------------------------------------------------------------------------------
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _check_calls(calls: list, names: set[str]) -> None:
+    import jsonschema
+
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], set[str | None], str]:
+    """(calls per choice, finish reasons, content) rebuilt from the deltas."""
+    calls: dict[int, dict] = {}
+    reasons, content = set(), ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                key = (choice.index, d.index)
+                if d.id is not None:
+                    assert key not in calls and d.type == "function"
+                    calls[key] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                calls[key]["arguments"] += d.function.arguments or ""
+            if choice.finish_reason is not None:
+                reasons.add(choice.finish_reason)
+    return calls, reasons, content
+
+
+def test_tool_loop_named_call_result_and_answer(client, model, http):
+    messages = user("What is the weather in Paris for the next three days?")
+    r = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        max_tokens=100,
+        n=2,
+        temperature=0.9,
+        seed=7,
+    )
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        assert len(choice.message.tool_calls) == 1  # a named function is called once
+        _check_calls(choice.message.tool_calls, {"get_weather"})
+    call = r.choices[0].message.tool_calls[0]
+    first_prompt = r.usage.prompt_tokens
+    messages = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny", "high": 24}'},
+    ]
+    final = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=20, temperature=0
+    )
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
+    # The tools, the system prompt and the first turn come from the radix cache.
+    assert final.usage.prompt_tokens_details.cached_tokens >= first_prompt - 1
+    # /v1/tokenize counts the transcript as the chat renders it: calls, results and tools.
+    counted = http.post("/v1/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    assert counted["count"] == final.usage.prompt_tokens
+    bare = http.post("/v1/tokenize", json={"messages": messages}).json()["count"]
+    assert bare < counted["count"]  # without the definitions in the system message
+    r = http.post("/v1/tokenize", json={"prompt": "hi", "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    wait_idle(http)
+
+
+def test_tool_calls_streamed_required_and_parallel(client, model, http):
+    stream = client.chat.completions.create(
+        model=model,
+        messages=user("Weather in Oslo?"),
+        tools=TOOLS,
+        tool_choice=NAMED,
+        max_tokens=100,
+        temperature=0,
+        stream=True,
+        parallel_tool_calls=False,
+    )
+    calls, reasons, content = _streamed_calls(stream)
+    assert reasons == {"tool_calls"} and content == "" and len(calls) == 1
+    r = client.chat.completions.create(
+        model=model,
+        messages=user("Weather in Oslo?"),
+        tools=TOOLS,
+        tool_choice=NAMED,
+        max_tokens=100,
+        temperature=0,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    (streamed,) = calls.values()
+    assert (streamed["name"], streamed["arguments"]) == (call.function.name, call.function.arguments)
+    for parallel in (False, True):
+        r = client.chat.completions.create(
+            model=model,
+            messages=user("What time is it, and the weather in Rome?"),
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            max_tokens=160,
+            temperature=0.7,
+            seed=3,
+        )
+        assert r.choices[0].finish_reason == "tool_calls"
+        _check_calls(r.choices[0].message.tool_calls, {"get_weather", "get_time"})
+        if not parallel:
+            assert len(r.choices[0].message.tool_calls) == 1
+    r = client.chat.completions.create(
+        model=model, messages=user("Hello!"), tools=TOOLS, max_tokens=12, temperature=0
+    )  # auto: the model may answer in text
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    wait_idle(http)
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools.0.function.parameters",
+        ),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools.1.function.name"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "not": {}}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ],
+)
+def test_bad_tool_definitions_are_400(http, fields, param):
+    body = {"messages": user("x"), "max_tokens": 8, **fields}
+    err = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert (err["type"], err["param"]) == ("invalid_request_error", param)
+
+
+# Native batches, prompt logprobs, echo ------------------------------------------------------------
+GREEDY4 = {"max_new_tokens": 4, "temperature": 0}
+
+
+def test_native_generate_batches_in_order_streamed_by_index(http):
+    texts = ["The capital of France is", "def fibonacci(n):"]
+    alone = [http.post("/generate", json={"text": t, "sampling_params": GREEDY4}).json() for t in texts]
+    batch = http.post("/generate", json={"text": texts, "sampling_params": GREEDY4}).json()
+    assert [r["output_ids"] for r in batch] == [r["output_ids"] for r in alone]
+    ids = [http.post("/v1/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    per_item = [{"max_new_tokens": 2, "temperature": 0}, {"max_new_tokens": 3, "temperature": 0}]
+    by_ids = http.post("/generate", json={"input_ids": ids, "sampling_params": per_item}).json()
+    assert [r["meta_info"]["completion_tokens"] for r in by_ids] == [2, 3]
+    assert [r["output_ids"] for r in by_ids] == [alone[0]["output_ids"][:2], alone[1]["output_ids"][:3]]
+    with http.stream(
+        "POST", "/generate", json={"text": texts, "stream": True, "sampling_params": GREEDY4}
+    ) as s:
+        events = [json.loads(e) for e in sse_events(s.read().decode()) if e != "[DONE]"]
+    last = {e["index"]: e for e in events}
+    assert {e["index"] for e in events} == {0, 1}
+    assert [last[i]["output_ids"] for i in (0, 1)] == [r["output_ids"] for r in alone]
+    for body, param in (
+        ({"text": texts, "sampling_params": [GREEDY4] * 3}, "sampling_params"),
+        ({"text": []}, "text"),
+        ({"input_ids": [ids[0], []]}, "input_ids"),
+        ({"text": texts, "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params"),
+        ({"text": "ab", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
+        ({"text": "ab", "return_logprob": True, "logprob_start_len": -5}, "logprob_start_len"),
+    ):
+        err = error_of(http.post("/generate", json=body), 400)
+        assert (err["type"], err["param"]) == ("invalid_request_error", param), body
+    wait_idle(http)
+
+
+def test_native_prompt_logprobs(http):
+    body = {
+        "text": "The capital of France is",
+        "sampling_params": GREEDY4,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+    }
+    r = http.post("/generate", json=body).json()
+    meta = r["meta_info"]
+    ids = http.post("/v1/tokenize", json={"prompt": body["text"]}).json()["tokens"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    assert all(lp <= 0 for lp, _, _ in meta["input_token_logprobs"][1:])
+    assert all(len(top) == 2 and top[0][0] >= top[1][0] for top in meta["input_top_logprobs"][1:])
+    assert "".join(text for _, _, text in meta["input_token_logprobs"]) == body["text"]
+    assert len(meta["output_token_logprobs"]) == 4
+    # From the middle on, and the triples' text left out on request.
+    mid = http.post(
+        "/generate", json={**body, "logprob_start_len": 2, "return_text_in_logprobs": False}
+    ).json()
+    triples = mid["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in triples] == ids[2:] and all(text is None for _, _, text in triples)
+    assert [lp for lp, _, _ in triples] == pytest.approx(
+        [lp for lp, _, _ in meta["input_token_logprobs"][2:]], abs=0.05
+    )
+    assert mid["output_ids"] == r["output_ids"]
+    # The default -1: output logprobs only.
+    plain = http.post("/generate", json={**body, "logprob_start_len": -1}).json()["meta_info"]
+    assert "input_token_logprobs" not in plain and len(plain["output_token_logprobs"]) == 4
+    wait_idle(http)
+
+
+def test_completions_echo_with_and_without_logprobs(http, model):
+    prompt = "The capital of France is"
+    plain = http.post(
+        "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    ).json()
+    echo = http.post(
+        "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True},
+    ).json()
+    assert echo["choices"][0]["text"] == prompt + plain["choices"][0]["text"]
+    body = {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    lps = choice["logprobs"]
+    n_prompt = len(http.post("/v1/tokenize", json={"prompt": prompt}).json()["tokens"])
+    assert len(lps["tokens"]) == len(lps["token_logprobs"]) == len(lps["top_logprobs"]) == n_prompt + 3
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lps["token_logprobs"][1:])
+    assert all(len(top) <= 2 for top in lps["top_logprobs"][1:])
+    assert "".join(lps["tokens"]) == choice["text"]
+    assert lps["text_offset"] == [sum(len(t) for t in lps["tokens"][:k]) for k in range(len(lps["tokens"]))]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        events = [json.loads(e) for e in sse_events(s.read().decode()) if e != "[DONE]"]
+    first = events[0]["choices"][0]
+    assert first["text"] == prompt and first["logprobs"]["token_logprobs"][0] is None
+    assert len(first["logprobs"]["tokens"]) == n_prompt
+    streamed = [t for e in events for t in ((e["choices"][0].get("logprobs") or {}).get("tokens") or [])]
+    assert streamed == lps["tokens"]
+    err = error_of(http.post("/v1/completions", json={"model": model, "prompt": "a", "suffix": "b"}), 400)
+    assert err["param"] == "suffix" and "does not support infilling" in err["message"]
+    wait_idle(http)
+
+
 # Last in the module: a replica's death (Serve starts a new one) ---------------------------------
 def _generic_500(request_id: str) -> dict:
     return {
@@ -631,6 +957,76 @@ def _generic_500(request_id: str) -> dict:
             "code": "internal_error",
         }
     }
+
+
+LANG_PREAMBLE = (
+    "You are reviewing a short essay about the history of the printing press, its spread across "
+    "Europe in the fifteenth century, and what it changed for science, religion and trade."
+)
+
+
+def test_lang_over_http_a_fork_is_one_batch_and_the_examples_match_the_offline_engine(url, http):
+    """The frontend language on RuntimeEndpoint: a fork's branches are one /generate batch, so
+    on a cold cache the preamble is computed once (the other branches find it cached); the
+    examples give the greedy results of the same programs on an offline engine."""
+    from transformers import AutoTokenizer
+
+    import radixserve.lang as rl
+    from radixserve.lang.examples import agent, classify, extract_json, judge
+    from radixserve.workers.models.loader import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(None)[0])
+    remote = rl.RuntimeEndpoint(url, api_key=KEY)  # role blocks as the server's template writes them
+    local_template = rl.RuntimeEndpoint(url, api_key=KEY, chat_template=tok)
+    assert remote.chat_format().roles == local_template.chat_format().roles
+
+    @rl.function
+    def branches(s):
+        s += LANG_PREAMBLE
+        forks = s.fork(3)
+        for f, d in zip(forks, ["clarity", "accuracy", "style"]):
+            f += f" Judge its {d}:" + rl.gen("j", max_tokens=4, temperature=0)
+        return [f.meta("j").usage[0] for f in forks]
+
+    wait_idle(http)
+    assert http.post("/flush_cache").json()["success"] is True
+    before = replica(http)["computed_tokens_total"]
+    usage = branches.run(backend=remote).ret
+    preamble = len(tok.encode(LANG_PREAMBLE)) - 1  # its last token may merge with a branch's text
+    assert usage[0].cached_tokens == 0 and min(u.cached_tokens for u in usage[1:]) >= preamble
+    computed = wait_idle(http)["computed_tokens_total"] - before
+    assert computed == sum(u.prompt_tokens - u.cached_tokens for u in usage)
+
+    @rl.function
+    def bad(s):
+        s += "x" + rl.gen("y", regex="(unclosed", max_tokens=2)
+
+    with pytest.raises(rl.BackendError) as err:
+        bad.run(backend=remote)
+    assert err.value.status == 400 and "regex" in err.value.message
+
+    # The OpenAI-style backend on the same server: completions for text, chat with a JSON
+    # schema, select from echoed prompt logprobs; the same greedy answers as the native API.
+    oai = rl.OpenAI(url + "/v1", api_key=KEY)
+
+    @rl.function
+    def text_then_select(s):
+        s += "The capital of France is" + rl.gen("city", max_tokens=4, temperature=0, stop="\n")
+        s += ". It is " + rl.select("size", ["big", "small"])
+
+    native, openai_style = text_then_select.run(backend=remote), text_then_select.run(backend=oai)
+    assert openai_style["city"] == native["city"] and openai_style["size"] == native["size"]
+    assert openai_style.meta("size").scores == pytest.approx(native.meta("size").scores, abs=1e-3)
+    assert extract_json.main(oai) == extract_json.main(remote)
+
+    results = {m.__name__: m.main(remote) for m in (judge, extract_json, classify, agent)}
+    local = rl.EngineBackend.start(max_total_tokens=2048)
+    try:
+        for m in (judge, extract_json, classify, agent):
+            assert m.main(local) == results[m.__name__], m.__name__
+    finally:
+        local.shutdown()
+    wait_idle(http)
 
 
 def test_replica_death_is_a_generic_error_and_readiness_follows_it(url, http):

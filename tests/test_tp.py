@@ -16,11 +16,12 @@ from radixserve.workers.distributed.parallel import (
     padded_range,
     shard_range,
 )
+from radixserve.workers.executor.tp_orders import SEND, CancelOrder, CountOrder
 from radixserve.workers.models.loader import load_model
 from tests.engine_utils import hf_greedy
 from tests.model_driver import ModelDriver
 from tests.tiny_models import make_tiny_checkpoint
-from tests.tp_ranks import collectives_on_rank, greedy_on_rank, scheduled_greedy_on_rank
+from tests.tp_ranks import collectives_on_rank, greedy_on_rank, orders_on_rank, scheduled_greedy_on_rank
 
 torch.set_num_threads(1)
 
@@ -99,7 +100,7 @@ def test_collectives_on_two_ranks():
             "extend_lens": [3, 1],
             "kv_indices": [[1, 2, 3, 4, 5], [9, 0, 0, 0, 0]],
             "logits_indices": [2, 3],
-            "mode": "extend",
+            "kind": "prefill",
             "lists": ([5, 1], [3, 1]),
         }
     # broadcast_object and broadcast_batch are two broadcasts each, the stop one, plus the explicit one.
@@ -110,6 +111,15 @@ def test_collectives_on_two_ranks():
         "all_to_all": 1,
         "broadcast": 6,
     }
+
+
+def test_orders_reach_the_followers_typed_and_an_unreadable_one_fails():
+    results = run_ranks(orders_on_rank, 3)
+    # (followers that failed the order, the sum of the others' answers)
+    assert results[0]["answers"] == [(0, 23), (2, 0), (2, 0), (0, 23)]
+    for r in (1, 2):
+        assert results[r]["seen"] == [CountOrder(), CancelOrder(SEND, ("req-1",), "aborted"), CountOrder()]
+        assert results[r]["stopped"]
 
 
 def _tp1(path: str | None, prompts: list[list[int]], new_tokens: int, dtype: str = "float32") -> dict:

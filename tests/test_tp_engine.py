@@ -115,6 +115,35 @@ def test_tiny_tp2_equals_tp1(tiny_even):
     assert _greedy(tiny_even, TINY_PROMPTS, tp_size=2, enable_overlap=True) == ref
 
 
+def _prompt_logprobs(path, **kwargs) -> list[tuple[int, float | None, list]]:
+    """(token, logprob, [(alternative, logprob)]) of every prompt token of a longer prompt."""
+    engine = Engine(str(path), dtype="float32", max_total_tokens=2048, num_threads=1, **kwargs)
+    try:
+        params = {**GREEDY, "max_new_tokens": 2, "logprob_start_len": 0, "top_logprobs": 2}
+        meta = engine.generate(TINY_PROMPTS[1], params)["meta_info"]
+        assert_kv_invariant(engine)
+    finally:
+        engine.shutdown()
+    return [
+        (t, lp, [(a, v) for v, a, _ in top or []])
+        for (lp, t, _), top in zip(meta["input_token_logprobs"], meta["input_top_logprobs"])
+    ]
+
+
+def test_tiny_tp2_prompt_logprobs_equal_tp1(tiny_even):
+    """Every rank runs the forward with the extra logits rows (the header carries their count)."""
+    ref = _prompt_logprobs(tiny_even)
+    got = _prompt_logprobs(tiny_even, tp_size=2, chunked_prefill_size=8)
+    assert [t for t, _, _ in got] == [t for t, _, _ in ref] and len(ref) > 8
+    assert got[0][1] is None and ref[0][1] is None
+    assert [lp for _, lp, _ in got[1:]] == pytest.approx([lp for _, lp, _ in ref[1:]], abs=1e-4)
+    # A random model's alternatives may tie: their values agree, whichever id comes first.
+    assert [len(top) for _, _, top in got] == [len(top) for _, _, top in ref]
+    assert [v for _, _, top in got for _, v in top] == pytest.approx(
+        [v for _, _, top in ref for _, v in top], abs=1e-4
+    )
+
+
 def test_tiny_moe_ep2_equals_ep1(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "qwen3_moe", norm_topk_prob=True)
     ref = _greedy(path, TINY_PROMPTS)

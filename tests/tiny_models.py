@@ -80,6 +80,20 @@ def _config(arch: str, overrides: dict[str, Any]):
     return classes[arch](**{**_BASE, **extra, **overrides})
 
 
+# A Qwen3-style chat template (SmolLM2's markers): the assistant's turn opens with an empty
+# thinking block when the request's `enable_thinking` is false, and `system_note` (a template
+# variable of its own) is written into a system turn.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- if system_note is defined %}{{ '<|im_start|>system\\n' + system_note + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
+
 def smollm2_tokenizer_dir() -> Path:
     """The converted default model's directory (converting it on first use)."""
     from radixserve.workers.models.loader import resolve_model_dir
@@ -92,13 +106,15 @@ def make_tiny_checkpoint(
     arch: str = "llama",
     seed: int = 0,
     max_shard_size: str | None = None,
+    chat_template: str | None = None,
     **overrides: Any,
 ) -> str:
     """Write a tiny random `arch` model ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
     "mixtral") under tmp_path.
 
     `overrides` are config fields (e.g. num_hidden_layers=3, tie_word_embeddings=True,
-    rope_scaling=LLAMA3_ROPE_SCALING); `max_shard_size` (e.g. "1MB") shards the safetensors.
+    rope_scaling=LLAMA3_ROPE_SCALING); `max_shard_size` (e.g. "1MB") shards the safetensors;
+    `chat_template` replaces SmolLM2's (QWEN3_CHAT_TEMPLATE honours `enable_thinking`).
     Returns the checkpoint directory.
     """
     from transformers import AutoModelForCausalLM
@@ -118,6 +134,8 @@ def make_tiny_checkpoint(
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy(source / name, out / name)
+    if chat_template is not None:
+        (out / "chat_template.jinja").write_text(chat_template)
     return str(out)
 
 

@@ -6,9 +6,12 @@ from typing import Any
 
 import torch
 
+from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
-from radixserve.workers.models.forward_batch import ForwardMode, broadcast_batch
+from radixserve.workers.executor import tp_wire
+from radixserve.workers.executor.tp_orders import SEND, CancelOrder, CountOrder
+from radixserve.workers.executor.tp_wire import broadcast_batch, broadcast_control
 from radixserve.workers.models.loader import load_model
 from tests.model_driver import ModelDriver, make_batch
 
@@ -54,7 +57,7 @@ def collectives_on_rank(group: CommGroup) -> dict[str, Any]:
     out["all_to_all"] = received[:, 0].tolist()
     out["broadcast"] = group.broadcast(torch.full((2,), float(r)), src=1).tolist()
     out["object"] = group.broadcast_object({"step": 7, "ids": [1, 2]} if r == 0 else None)
-    batch = make_batch(ForwardMode.EXTEND, [[5, 6, 7], [8]], [2, 0], [[1, 2, 3, 4, 5], [9]])
+    batch = make_batch(BatchKind.PREFILL, [[5, 6, 7], [8]], [2, 0], [[1, 2, 3, 4, 5], [9]])
     got = broadcast_batch(group, batch if r == 0 else None)
     assert got is not None
     out["stopped"] = broadcast_batch(group, None) is None  # rank 0 ends the followers' loop
@@ -69,9 +72,36 @@ def collectives_on_rank(group: CommGroup) -> dict[str, Any]:
             "kv_indices",
             "logits_indices",
         )
-    } | {"mode": got.mode.value, "lists": (got.seq_lens_list, got.extend_lens_list)}
+    } | {"kind": got.kind.value, "lists": (got.seq_lens_list, got.extend_lens_list)}
     out["calls"] = dict(group.stats.calls)
     return out
+
+
+def orders_on_rank(group: CommGroup) -> dict[str, Any]:
+    """Rank 0 gives orders between batches; each follower's `broadcast_batch` hands them, decoded,
+    to its `on_control` (which fails a cancel), and fails an order it cannot read."""
+    if group.rank == 0:
+        answers = [
+            broadcast_control(group, CountOrder()),
+            broadcast_control(group, CancelOrder(SEND, ("req-1",), "aborted")),
+        ]
+        # What a rank 0 of another version could send: an op this one does not know.
+        group.broadcast(torch.tensor([tp_wire._CONTROL, 0, 0, 0], dtype=torch.int64))
+        group.broadcast_object({"op": "rewind"})
+        answers.append(tuple(group.all_reduce(torch.zeros(2, dtype=torch.int64)).tolist()))
+        answers.append(broadcast_control(group, CountOrder()))
+        broadcast_batch(group, None)
+        return {"answers": answers}
+    seen: list[Any] = []
+
+    def on_control(order: Any) -> int:
+        seen.append(order)
+        if isinstance(order, CancelOrder):
+            raise RuntimeError("this rank cannot cancel")
+        return 10 + group.rank
+
+    stopped = broadcast_batch(group, on_control=on_control) is None
+    return {"seen": seen, "stopped": stopped}
 
 
 class _Leader:

@@ -1,15 +1,21 @@
 """The only contract between the router and the workers.
 
 Every message that crosses a process boundary (ingress <-> replica, prefill <-> decode) is one of
-these dataclasses. They travel as plain JSON-compatible dicts through one codec (`encode` /
-`decode`), never as pickled user objects, so a replica can be upgraded independently of the
-ingress and a malformed message fails loudly at the boundary.
+these dataclasses, with one codec to and from plain JSON-compatible dicts (never pickled user
+objects), so a replica can be upgraded independently of the ingress and a malformed message
+fails loudly at the boundary. A call that carries one message type uses that type's `to_dict` /
+`from_dict` (a `GenerateRequest` in; a `ModelCard`, `ReplicaStats` or `CacheSummary` back). A
+replica's stream carries several (`StreamEvent`): each event travels tagged with its type
+(`encode_event` / `decode_event`), so its receiver matches on types and never tells events apart
+by the keys they carry.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +34,15 @@ class InvalidRequest(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+def check_logprob_start_len(start: int, prompt_tokens: int, param: str = "logprob_start_len") -> None:
+    """Prompt logprobs start inside the prompt: the ingress and the engine both apply it."""
+    if start >= prompt_tokens:
+        raise InvalidRequest(
+            f"'logprob_start_len' ({start}) must be less than the prompt's length ({prompt_tokens} tokens)",
+            param,
+        )
 
 
 def check_context_length(
@@ -72,6 +87,43 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 2.0
 # What torch.Generator.manual_seed accepts; sequence i of a request uses seed + i.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+# Bounds on what a request makes the engine thread do at every token: stop strings are matched
+# on the text held back for them (at most the longest one, each step: detokenizer._held_suffix),
+# and logit_bias entries are applied to the request's row at every step.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024
+# A grammar's text, and the nesting of a JSON schema in it (the outermost object included). Compile
+# time grows with both, superlinearly with nesting; the ingress checks tool schemas against them
+# before any compile, the compile worker checks every grammar.
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_JSON_DEPTH = 64
+# The constraint kinds, each also the SamplingParams field (and request field) it comes from.
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*", re.ASCII)
+
+
+def parse_logit_bias(raw: Any) -> dict[int, float]:
+    """logit_bias as token id -> bias. Keys are token ids: ints, or their canonical decimal
+    spelling ("12"; not " 12 ", "012", "1_0", "１２"), so two keys never name one token."""
+    if not isinstance(raw, dict):
+        raise InvalidRequest("'logit_bias' must map token ids to numbers", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"'logit_bias' may have at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        else:
+            raise InvalidRequest(
+                f"'logit_bias' keys must be token ids in decimal, got {str(key)[:40]!r}", "logit_bias"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+            raise InvalidRequest("'logit_bias' must map token ids to numbers", "logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def _finite(value: float) -> bool:
@@ -80,6 +132,29 @@ def _finite(value: float) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a reasoning model writes its thinking: between `start` and `end`, before its answer.
+    With `opened_by_prompt` the chat template already wrote `start`, so the output begins inside
+    the thinking (a `start` the model writes anyway is part of it); otherwise the thinking is
+    optional and, when present, the output begins with `start`. `off_switch` names the chat
+    template variable that turns the thinking off (the template then writes an empty thinking
+    block into the prompt, and the answer begins the output)."""
+
+    start: str
+    end: str
+    opened_by_prompt: bool
+    off_switch: str | None = None
+
+
+# The conventions `--reasoning-parser` names: the ingress splits the output by them and the
+# grammar of a constrained request lets the thinking through before constraining the answer.
+REASONING_FORMATS = {
+    "qwen3": ReasoningFormat("<think>", "</think>", opened_by_prompt=False, off_switch="enable_thinking"),
+    "deepseek-r1": ReasoningFormat("<think>", "</think>", opened_by_prompt=True),
+}
 
 
 @dataclass(frozen=True)
@@ -103,44 +178,40 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False  # return the sampled token's logprob
     top_logprobs: int = 0  # and this many alternatives per position
+    # The prompt's logprobs too, of its tokens from this position on (SGLang's name; -1: none).
+    # They come with the sequence's first chunk (OutputChunk.input_logprobs), with `top_logprobs`
+    # alternatives each; the first prompt token has none (None).
+    logprob_start_len: int = -1
     skip_special_tokens: bool = True
     # Constrained decoding: at most one of these.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # xgrammar's structural tag (JSON): tool calls
+    # A REASONING_FORMATS name: the grammar above constrains only what follows the thinking.
+    reasoning: str | None = None
 
     MAX_TOP_LOGPROBS = 20
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Build from a user dict (SGLang's keys); unknown keys are an error, not silently dropped."""
-        d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0])
-        if isinstance(d.get("stop"), str):
-            d["stop"] = (d["stop"],)
-        for key in ("stop", "stop_token_ids"):
-            if d.get(key) is None:
-                d.pop(key, None)
-            elif not isinstance(d[key], (list, tuple)):
-                raise InvalidRequest(f"'{key}' must be a list", key)
-            else:
-                d[key] = tuple(d[key])
-        if d.get("logit_bias") is not None:
-            try:
-                d["logit_bias"] = {int(k): float(v) for k, v in dict(d["logit_bias"]).items()}
-            except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
-                raise InvalidRequest("'logit_bias' must map token ids to numbers", "logit_bias") from None
-        params = cls(**d)
-        params.validate()
+    def from_dict(cls, d: dict[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
+        """Build from a user dict (SGLang's keys) and `validate` it (token ids against
+        `vocab_size` where given); unknown keys are an error, not silently dropped."""
+        try:
+            params = cls(**_sampling_kwargs(d))
+        except TypeError as e:  # a key or value of a type that no parameter takes
+            raise InvalidRequest(f"invalid sampling parameters: {e}") from None
+        params.validate(vocab_size)
         return params
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def validate(self, vocab_size: int | None = None) -> None:
+        """The one check of every parameter's type and range (InvalidRequest naming the first
+        offending one): the HTTP layer, the replica's decoding of a request and the engine (for
+        requests built in process) all call it, so they refuse exactly the same values."""
+
         def bad(msg: str, param: str) -> None:
             raise InvalidRequest(msg, param)
 
@@ -149,7 +220,7 @@ class SamplingParams:
             if not ok or isinstance(value, bool) or (not integer and not _finite(value)):
                 bad(f"'{name}' must be {'an integer' if integer else 'a finite number'}", name)
 
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs"):
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs", "logprob_start_len"):
             number(name, getattr(self, name), integer=True)
         for name in (
             "temperature",
@@ -191,6 +262,8 @@ class SamplingParams:
             bad("'n' must be in [1, 128]", "n")
         if not 0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS:
             bad(f"'top_logprobs' must be in [0, {self.MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if self.logprob_start_len < -1:
+            bad("'logprob_start_len' must be -1 (no prompt logprobs) or >= 0", "logprob_start_len")
         if self.seed is not None:
             if not isinstance(self.seed, int) or isinstance(self.seed, bool):
                 bad("'seed' must be an integer", "seed")
@@ -198,8 +271,10 @@ class SamplingParams:
                 bad(f"'seed' must be in [{MIN_SEED}, {MAX_SEED - (self.n - 1)}]", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("'stop' must be non-empty strings", "stop")
-        if len(self.stop) > 16:
-            bad("at most 16 stop strings are allowed", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad(f"a stop string may be at most {MAX_STOP_CHARS} characters long", "stop")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad(f"invalid stop token id {t!r}", "stop_token_ids")
@@ -209,12 +284,19 @@ class SamplingParams:
                     bad(f"logit_bias token id {t} is out of range", "logit_bias")
                 if not -100 <= v <= 100:
                     bad("logit_bias values must be in [-100, 100]", "logit_bias")
-        grammars = [g for g in ("json_schema", "regex", "ebnf") if getattr(self, g) is not None]
+        grammars = [g for g in GRAMMAR_KINDS if getattr(self, g) is not None]
         if len(grammars) > 1:
-            bad(f"only one of json_schema, regex, ebnf may be given (got {', '.join(grammars)})", grammars[1])
+            bad(
+                f"only one of {', '.join(GRAMMAR_KINDS)} may be given (got {', '.join(grammars)})",
+                grammars[1],
+            )
         for g in grammars:
             if not isinstance(getattr(self, g), str):
                 bad(f"'{g}' must be a string", g)
+        if self.reasoning is not None and (
+            not isinstance(self.reasoning, str) or self.reasoning not in REASONING_FORMATS
+        ):
+            bad(f"'reasoning' must be one of {', '.join(REASONING_FORMATS)}", "reasoning")
 
     @property
     def greedy(self) -> bool:
@@ -222,13 +304,34 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
-    def grammar(self) -> tuple[str, str] | None:
-        """(kind, text) of the constraint, or None."""
-        for kind in ("json_schema", "regex", "ebnf"):
+    def grammar(self) -> tuple[str, str, str | None] | None:
+        """(kind, text, reasoning) of the constraint, or None."""
+        for kind in GRAMMAR_KINDS:
             text = getattr(self, kind)
             if text is not None:
-                return kind, text
+                return kind, text, self.reasoning
         return None
+
+
+def _sampling_kwargs(d: dict[str, Any] | None) -> dict[str, Any]:
+    """A user dict of sampling parameters as SamplingParams' keyword arguments."""
+    d = dict(d or {})
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0])
+    if isinstance(d.get("stop"), str):
+        d["stop"] = (d["stop"],)
+    for key in ("stop", "stop_token_ids"):
+        if d.get(key) is None:
+            d.pop(key, None)
+        elif not isinstance(d[key], (list, tuple)):
+            raise InvalidRequest(f"'{key}' must be a list", key)
+        else:
+            d[key] = tuple(d[key])
+    if d.get("logit_bias") is not None:
+        d["logit_bias"] = parse_logit_bias(d["logit_bias"])
+    return d
 
 
 # A request sent out again (its replica was lost before any output) or continued on another
@@ -244,8 +347,16 @@ def attempt_rid(rid: str, tag: str) -> str:
     return f"{rid}{ATTEMPT_SEP}{tag}"
 
 
+def part_rid(rid: str, k: int) -> str:
+    """The engine-side id of prompt k of request `rid` when it has several prompts: under the
+    separator, so it never equals a client's id (`multi-1` is a client's), and aborting `rid`
+    aborts every prompt of it (and each of their n sequences, which share their prompt's id)."""
+    return f"{rid}{ATTEMPT_SEP}p{k}"
+
+
 def is_attempt_of(key: str, rid: str) -> bool:
-    """Whether engine-side id `key` is request `rid` or one of its further attempts."""
+    """Whether engine-side id `key` is request `rid`, one of its further attempts or one of its
+    prompts (`part_rid`)."""
     return key == rid or key.startswith(rid + ATTEMPT_SEP)
 
 
@@ -260,7 +371,7 @@ class GenerateRequest:
     stream: bool = False
     # PD mode, to a prefill replica: one decode replica's `KVReservation.tickets` (one per
     # sequence). The replica computes the prompt, streams the first token and sends the KV there.
-    kv_tickets: list[dict[str, Any]] | None = None
+    kv_tickets: list[KVTicket] | None = None
     # Resuming (PD recompute): per sequence, the output tokens a client got already. The engine
     # computes prompt + those tokens and continues from there, as if it had generated them (the
     # grammar, penalties, stop strings and counts see them); they are not sent again.
@@ -275,27 +386,35 @@ class GenerateRequest:
             "stream": self.stream,
         }
         if self.kv_tickets is not None:
-            d["kv_tickets"] = self.kv_tickets
+            d["kv_tickets"] = [t.to_dict() for t in self.kv_tickets]
         if self.output_prefix is not None:
             d["output_prefix"] = [list(ids) for ids in self.output_prefix]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GenerateRequest:
+        tickets = d.get("kv_tickets")
         return cls(
             input_ids=list(d["input_ids"]),
             sampling_params=SamplingParams.from_dict(d.get("sampling_params")),
             rid=d["rid"],
             namespace=d.get("namespace"),
             stream=bool(d.get("stream")),
-            kv_tickets=d.get("kv_tickets"),
+            kv_tickets=None if tickets is None else [KVTicket.from_dict(t) for t in tickets],
             output_prefix=d.get("output_prefix"),
         )
 
 
-# The roles of an engine replica: one that does it all, or one side of prefill/decode (PD)
-# disaggregation.
-ROLES = ("unified", "prefill", "decode")
+class Role(enum.StrEnum):
+    """The role of an engine replica: one that does it all, or one side of prefill/decode (PD)
+    disaggregation. A str (configs, YAML and messages carry the value)."""
+
+    UNIFIED = "unified"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+ROLES = tuple(r.value for r in Role)
 # What the ingress does when the decode side of a PD request fails after its prefill: recompute
 # the rest of it on one engine (the default), or end it with an error.
 PD_ON_FAILURE = ("recompute", "error")
@@ -304,27 +423,102 @@ PD_ON_FAILURE = ("recompute", "error")
 KV_TRANSFER_CHOICES = ("auto", "gloo", "nccl", "ray")
 
 
+@dataclass(frozen=True)
+class KVEndpoint:
+    """Where a receiving replica listens. `address` is "host:port" of its TCPStore for gloo/nccl,
+    "namespace/actor_name" of its inbox actor for ray."""
+
+    transport: str
+    replica_id: str
+    address: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVEndpoint:
+        return cls(transport=str(d["transport"]), replica_id=str(d["replica_id"]), address=str(d["address"]))
+
+
+@dataclass(frozen=True)
+class KVTicket:
+    """One expected transfer: the receiver's slots for tokens `held_tokens ..` of the request.
+
+    The receiver already holds the first `held_tokens` tokens (its radix cache matched them), so
+    only the rest moves; `dst_slots` are in token order and were allocated before the ticket was
+    issued. Valid until the receiver's deadline for it passes.
+
+    A tensor-parallel receiver's KV is spread over its ranks' pools (each its own heads, at the
+    same slots): `endpoint` is rank 0's, `rank_endpoints` ranks 1..N-1's (`for_rank`). The
+    receiver expects its KV from a sender of `sender_tp_size` ranks (0: of its own degree), each
+    moving the heads the plan of executor/tp_kv.py gives it.
+    """
+
+    transfer_id: str
+    endpoint: KVEndpoint
+    dst_slots: tuple[int, ...]
+    held_tokens: int = 0
+    rank_endpoints: tuple[KVEndpoint, ...] = ()
+    sender_tp_size: int = 0
+
+    @property
+    def tp_size(self) -> int:
+        """The receiving replica's tensor-parallel degree."""
+        return 1 + len(self.rank_endpoints)
+
+    @property
+    def sender_tp(self) -> int:
+        """The sending replica's degree the receiver planned its parts for."""
+        return self.sender_tp_size or self.tp_size
+
+    def for_rank(self, rank: int) -> KVTicket:
+        """The ticket rank `rank` of the sender uses: the same transfer, into its peer rank."""
+        if not 0 <= rank < self.tp_size:
+            raise ValueError(f"transfer {self.transfer_id!r} has {self.tp_size} rank(s), not a rank {rank}")
+        endpoint = self.endpoint if rank == 0 else self.rank_endpoints[rank - 1]
+        return dataclasses.replace(self, endpoint=endpoint, rank_endpoints=())
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "transfer_id": self.transfer_id,
+            "endpoint": self.endpoint.to_dict(),
+            "dst_slots": list(self.dst_slots),
+            "held_tokens": self.held_tokens,
+        }
+        if self.rank_endpoints:
+            d["rank_endpoints"] = [e.to_dict() for e in self.rank_endpoints]
+        if self.sender_tp_size:
+            d["sender_tp_size"] = self.sender_tp_size
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVTicket:
+        return cls(
+            transfer_id=str(d["transfer_id"]),
+            endpoint=KVEndpoint.from_dict(d["endpoint"]),
+            dst_slots=tuple(int(s) for s in d["dst_slots"]),
+            held_tokens=int(d.get("held_tokens", 0)),
+            rank_endpoints=tuple(KVEndpoint.from_dict(e) for e in d.get("rank_endpoints", ())),
+            sender_tp_size=int(d.get("sender_tp_size", 0)),
+        )
+
+
 @dataclass
 class KVReservation:
     """A decode replica's answer to a PD request, before any output: one KV transfer ticket per
-    sequence (opaque to the router: it hands them to the prefill replica in
-    `GenerateRequest.kv_tickets`). The decode replica holds the slots until the KV arrived, the
-    request ended, or the transfer timed out."""
+    sequence, which the router hands to the prefill replica in `GenerateRequest.kv_tickets`. The
+    decode replica holds the slots until the KV arrived, the request ended, or the transfer timed
+    out."""
 
     rid: str
-    tickets: list[dict[str, Any]]
+    tickets: list[KVTicket]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kv_reservation": {"rid": self.rid, "tickets": self.tickets}}
+        return {"rid": self.rid, "tickets": [t.to_dict() for t in self.tickets]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVReservation:
-        r = d["kv_reservation"]
-        return cls(rid=str(r["rid"]), tickets=list(r["tickets"]))
-
-    @staticmethod
-    def is_one(d: dict[str, Any]) -> bool:
-        return "kv_reservation" in d
+        return cls(rid=str(d["rid"]), tickets=[KVTicket.from_dict(t) for t in d["tickets"]])
 
 
 @dataclass
@@ -332,6 +526,15 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+class FinishKind(enum.StrEnum):
+    """How a sequence ended: `OutputChunk.finish_reason["type"]`."""
+
+    STOP = "stop"  # an EOS token, a stop token or a stop string ("matched" says which)
+    LENGTH = "length"  # max_new_tokens, or the end of the context
+    ABORT = "abort"  # the client went away, or the engine failed it ("message" says why)
+    HANDOFF = "handoff"  # PD prefill: its first token is out; a decode replica continues it
 
 
 @dataclass
@@ -347,8 +550,11 @@ class OutputChunk:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    # The prompt's logprobs from `SamplingParams.logprob_start_len` on, in the sequence's first
+    # chunk only; None for the first prompt token (nothing predicts it).
+    input_logprobs: list[TokenLogprob | None] | None = None
     finished: bool = False
-    # {"type": "stop" | "length" | "abort", "matched": str | int | None, "message": str?}
+    # {"type": FinishKind, "matched": str | int | None, "message": str?}
     finish_reason: dict[str, Any] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -358,15 +564,28 @@ class OutputChunk:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         if self.logprobs is not None:
-            d["logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.logprobs]
+            d["logprobs"] = [_encode_logprob(lp) for lp in self.logprobs]
+        if self.input_logprobs is not None:
+            d["input_logprobs"] = [None if lp is None else _encode_logprob(lp) for lp in self.input_logprobs]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OutputChunk:
         d = dict(d)
         if d.get("logprobs") is not None:
-            d["logprobs"] = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in d["logprobs"]]
+            d["logprobs"] = [_decode_logprob(x) for x in d["logprobs"]]
+        if d.get("input_logprobs") is not None:
+            d["input_logprobs"] = [None if x is None else _decode_logprob(x) for x in d["input_logprobs"]]
         return cls(**d)
+
+
+def _encode_logprob(lp: TokenLogprob) -> list[Any]:
+    return [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+
+
+def _decode_logprob(x: list[Any]) -> TokenLogprob:
+    token_id, logprob, top = x
+    return TokenLogprob(token_id, logprob, [tuple(t) for t in top])
 
 
 def native_result(rid: str) -> dict[str, Any]:
@@ -390,24 +609,38 @@ def native_result(rid: str) -> dict[str, Any]:
 
 
 def add_to_native_result(
-    result: dict[str, Any], chunk: OutputChunk, token_text: Callable[[int], str] | None = None
+    result: dict[str, Any],
+    chunk: OutputChunk,
+    token_text: Callable[[int], str | None] | None = None,
+    input_ids: list[int] | None = None,
 ) -> None:
     """Fold one chunk of the sequence into `result` (from `native_result`).
 
     Logprobs, when the request asked for them, are SGLang's triples: `output_token_logprobs` is
     `[logprob, token_id, text]` per output token, `output_top_logprobs` (present when alternatives
     were asked for) a list of such triples per output token, best first. `text` is
-    `token_text(token_id)`, or None without `token_text`.
+    `token_text(token_id)`, or None without `token_text`. The prompt's (a chunk's
+    `input_logprobs`) go to `input_token_logprobs` and `input_top_logprobs` alike, the prompt
+    token ids `input_ids` naming the tokens (the first prompt token's logprob is None).
     """
     result["text"] += chunk.text
     result["output_ids"].extend(chunk.token_ids)
     meta = result["meta_info"]
     meta["completion_tokens"] = len(result["output_ids"])
+
+    def triple(token_id: int, logprob: float | None) -> list[Any]:
+        return [logprob, token_id, token_text(token_id) if token_text else None]
+
+    if chunk.input_logprobs is not None and input_ids is not None:
+        start = len(input_ids) - len(chunk.input_logprobs)
+        meta["input_token_logprobs"] = [
+            triple(input_ids[start + j], None if lp is None else lp.logprob)
+            for j, lp in enumerate(chunk.input_logprobs)
+        ]
+        meta["input_top_logprobs"] = [
+            None if lp is None else [triple(t, v) for t, v in lp.top] for lp in chunk.input_logprobs
+        ]
     if chunk.logprobs is not None:
-
-        def triple(token_id: int, logprob: float) -> list[Any]:
-            return [logprob, token_id, token_text(token_id) if token_text else None]
-
         meta.setdefault("output_token_logprobs", []).extend(
             triple(lp.token_id, lp.logprob) for lp in chunk.logprobs
         )
@@ -430,7 +663,7 @@ class ReplicaStats:
     """A replica's load and cache state, as `/get_server_info` and the router see it."""
 
     replica_id: str = ""
-    role: str = "unified"  # one of ROLES
+    role: Role = Role.UNIFIED
     tp_size: int = 1  # ranks of this replica's tensor-parallel group
     running: int = 0
     queued: int = 0
@@ -456,10 +689,41 @@ class ReplicaStats:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ReplicaStats:
         """Fields this version does not know (a newer replica's, mid rolling update) are left out."""
-        return cls(**{k: v for k, v in d.items() if k in _REPLICA_STATS_FIELDS})
+        known = {k: v for k, v in d.items() if k in _REPLICA_STATS_FIELDS}
+        if "role" in known:
+            known["role"] = Role(known["role"])
+        return cls(**known)
 
 
 _REPLICA_STATS_FIELDS = frozenset(f.name for f in dataclasses.fields(ReplicaStats))
+
+
+@dataclass
+class CacheSummary:
+    """What the router's correction reads from a replica in one call (`cache_summary`): its
+    `ReplicaStats`, and its cached prefixes as (cache namespace, token path), most recently used
+    first (the path's tokens within the replica's token budget; shared prefixes count once per
+    path)."""
+
+    stats: ReplicaStats
+    paths: list[tuple[str | None, list[int]]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stats": self.stats.to_dict(),
+            "prefixes": [list(p) for _, p in self.paths],
+            "namespaces": [n for n, _ in self.paths],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheSummary:
+        prefixes, namespaces = d["prefixes"], d["namespaces"]
+        if len(prefixes) != len(namespaces):
+            raise ProtocolError(
+                f"a cache summary of {len(prefixes)} prefixes and {len(namespaces)} namespaces"
+            )
+        paths = [(n, list(p)) for n, p in zip(namespaces, prefixes)]
+        return cls(ReplicaStats.from_dict(d["stats"]), paths)
 
 
 @dataclass(frozen=True)
@@ -474,6 +738,11 @@ class EngineLoad:
     running_sequences: float = 0
     queued_sequences: float = 0  # submitted, not yet running (what max_queued_requests limits)
     kv_usage: float = 0.0  # 1 - (free + evictable) / total: the share of the KV pool held by requests
+    # Mean seconds over the engine's recent window (engine/token_latency.py; 0 without samples):
+    # from a sequence's arrival to its first token (prefill and unified replicas), and between two
+    # tokens of a sequence (decode and unified replicas).
+    ttft_s: float = 0.0
+    itl_s: float = 0.0
 
     def to_metrics(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -486,7 +755,14 @@ class EngineLoad:
 
 
 class QueueFull(RuntimeError):
-    """The replica's waiting queue is at `max_queued_requests`: the HTTP layer answers 503."""
+    """The replica's waiting queue is at `max_queued_requests`, or (PD) a decode replica has no
+    room for a reservation: the HTTP layer answers 503. `report` is the refusing replica's
+    `ReplicaStats` where it sent them (a refused reservation), so that the router learns at once
+    that this replica has no room and tries another."""
+
+    def __init__(self, message: str = "", report: ReplicaStats | None = None):
+        super().__init__(message)
+        self.report = report
 
 
 class EngineError(RuntimeError):
@@ -524,31 +800,94 @@ class ModelCard:
         return cls(**d)
 
 
-def encode_error(exc: Exception) -> dict[str, Any]:
-    """A replica's refusal or failure (InvalidRequest / QueueFull / EngineError) as a message:
-    `{"error": {...}}`."""
+class ProtocolError(ValueError):
+    """A message that its channel does not carry: an unknown type tag, or an event where the
+    stream's protocol has another one due."""
+
+
+def _encode_exception(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, InvalidRequest):
-        return {
-            "error": {"kind": "invalid_request", "message": exc.message, "param": exc.param, "code": exc.code}
-        }
+        return {"kind": "invalid_request", "message": exc.message, "param": exc.param, "code": exc.code}
     if isinstance(exc, QueueFull):
-        return {"error": {"kind": "queue_full", "message": str(exc) or "queue full"}}
+        err: dict[str, Any] = {"kind": "queue_full", "message": str(exc) or "queue full"}
+        if exc.report is not None:
+            err["report"] = exc.report.to_dict()
+        return err
     if isinstance(exc, TransferFailed):
-        return {"error": {"kind": "transfer_failed", "message": str(exc) or "KV transfer failed"}}
+        return {"kind": "transfer_failed", "message": str(exc) or "KV transfer failed"}
     if isinstance(exc, EngineError):
-        return {"error": {"kind": "engine_error", "message": str(exc) or "engine error"}}
+        return {"kind": "engine_error", "message": str(exc) or "engine error"}
     raise TypeError(f"not a protocol error: {type(exc).__name__}")
 
 
-def decode_error(d: dict[str, Any]) -> Exception:
-    """The exception that `encode_error` encoded (to be raised by the receiver)."""
-    err = d["error"]
+def _decode_exception(err: dict[str, Any]) -> Exception:
     if err["kind"] == "invalid_request":
         return InvalidRequest(err["message"], err.get("param"), err.get("code"))
     if err["kind"] == "queue_full":
-        return QueueFull(err["message"])
+        report = err.get("report")
+        return QueueFull(err["message"], ReplicaStats.from_dict(report) if report is not None else None)
     if err["kind"] == "engine_error":
         return EngineError(err["message"])
     if err["kind"] == "transfer_failed":
         return TransferFailed(err["message"])
-    raise ValueError(f"unknown error kind {err['kind']!r}")
+    raise ProtocolError(f"unknown error kind {err['kind']!r}")
+
+
+# The events of a replica's stream (`EngineReplica.generate` / `reserve`), in their order:
+# `generate`: Accepted, then OutputChunk ...; `reserve`: KVReservation, then OutputChunk ... (from
+# each sequence's second token on). A Failure ends either stream, at any point.
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The replica's engine took the request: its queue had room and the request was valid.
+    Sent once, before any output, so the caller can still answer a refusal with a status code."""
+
+    rid: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rid": self.rid}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Accepted:
+        return cls(rid=str(d["rid"]))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A replica's refusal or failure of the request (InvalidRequest, QueueFull, TransferFailed,
+    EngineError); the receiver raises `error`. It ends the stream, before or after acceptance (a
+    grammar fails to compile when scheduled; a step fails)."""
+
+    error: Exception
+
+    def to_dict(self) -> dict[str, Any]:
+        return _encode_exception(self.error)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Failure:
+        return cls(_decode_exception(d))
+
+
+StreamEvent = Accepted | KVReservation | OutputChunk | Failure
+_EVENT_TYPES: dict[str, type[StreamEvent]] = {
+    "accepted": Accepted,
+    "reservation": KVReservation,
+    "chunk": OutputChunk,
+    "error": Failure,
+}
+_EVENT_TAGS = {t: tag for tag, t in _EVENT_TYPES.items()}
+
+
+def encode_event(event: StreamEvent) -> dict[str, Any]:
+    """The one wire form of a stream event: `{"type": tag, "body": event.to_dict()}`."""
+    return {"type": _EVENT_TAGS[type(event)], "body": event.to_dict()}
+
+
+def decode_event(d: Any) -> StreamEvent:
+    """The event that `encode_event` encoded; ProtocolError for anything else."""
+    tag = d.get("type") if isinstance(d, dict) else None
+    kind = _EVENT_TYPES.get(tag) if isinstance(tag, str) else None
+    if kind is None:
+        raise ProtocolError(f"not a replica stream event: type {tag!r}")
+    return kind.from_dict(d["body"])

@@ -3,8 +3,9 @@
 replica (`generate` with KV tickets: the prompt, the first token, then the KV sent on) or a decode
 replica (`reserve`: slots and tickets first, then the rest of the output once the KV is in).
 
-Everything crossing the handle is a protocol dict: requests in as `GenerateRequest.to_dict()`,
-chunks out as `OutputChunk.to_dict()`, refusals as `encode_error(...)`. The deployment options
+Everything crossing the handle is a protocol message in its codec's form: requests in as
+`GenerateRequest.to_dict()`, the streams' events out as `encode_event(...)` (`Accepted`,
+`KVReservation`, `OutputChunk`, `Failure`), answers as their `to_dict()`. The deployment options
 (replica count, CPUs, requests in flight, request router) are set by cluster/app.py, not here.
 """
 
@@ -22,14 +23,17 @@ from ray import serve
 
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.protocol import (
+    Accepted,
+    CacheSummary,
     EngineError,
+    Failure,
     GenerateRequest,
     InvalidRequest,
     KVReservation,
     ModelCard,
-    OutputChunk,
     QueueFull,
-    encode_error,
+    ReplicaStats,
+    encode_event,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,8 +66,11 @@ def tokenizer_files(tokenizer: Any) -> dict[str, str]:
     graceful_shutdown_timeout_s=5,
 )
 class EngineReplica:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, memory_budget_bytes: int | None = None):
+        """`memory_budget_bytes`: how far this process may grow past its start-up size on CPU
+        (None: executor/memory_limit.py's default share of the node's memory)."""
         from radixserve.workers.engine.engine import Engine  # heavy: torch + the model
+        from radixserve.workers.executor.memory_limit import default_budget_bytes, limit_memory_growth
 
         self.config = config
         self.replica_id = _replica_id()
@@ -73,13 +80,15 @@ class EngineReplica:
 
             launcher = RayLauncher(f"EngineRank::{self.replica_id}")
         self.engine = Engine(**dataclasses.asdict(config), rank_launcher=launcher)
+        if self.engine.core.device.type == "cpu":
+            limit_memory_growth(memory_budget_bytes or default_budget_bytes())
         logger.info("engine replica %s ready: %s", self.replica_id, self.engine.served_model_name)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request: an empty chunk once the engine accepted it, then its chunks.
+        """Stream one request's events: `Accepted` once the engine took it, then its chunks.
 
-        A refusal (invalid request, full queue) is sent as an `encode_error` message, even after
-        the acceptance (a grammar fails to compile when scheduled); so is an `EngineError` that
+        A refusal (invalid request, full queue) is sent as a `Failure`, even after the
+        acceptance (a grammar fails to compile when scheduled); so is an `EngineError` that
         ended the request mid-way. If the caller goes away (Serve cancels this generator) the
         request is aborted, so its KV is released.
         """
@@ -87,17 +96,17 @@ class EngineReplica:
             req = GenerateRequest.from_dict(request)
             stream = self.engine.submit(req)
         except (InvalidRequest, QueueFull) as e:
-            yield encode_error(e)
+            yield encode_event(Failure(e))
             return
         finished = False
         try:
-            yield OutputChunk(rid=req.rid).to_dict()
+            yield encode_event(Accepted(req.rid))
             async for chunk in stream:
-                yield chunk.to_dict()
+                yield encode_event(chunk)
             finished = True
         except (InvalidRequest, QueueFull, EngineError) as e:
             finished = True  # the engine already dropped it
-            yield encode_error(e)
+            yield encode_event(Failure(e))
         finally:
             if not finished:
                 self.engine.abort(req.rid)
@@ -107,17 +116,20 @@ class EngineReplica:
         rank died), so that Serve replaces this replica."""
         self.engine.check_health()
 
-    async def reserve(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def reserve(self, request: dict[str, Any], wait_s: float = 0.0) -> AsyncIterator[dict[str, Any]]:
         """PD, decode role: stream one request whose prompt a prefill replica computes. First a
-        `KVReservation` (the tickets for the prefill replica) once the slots are reserved, then
-        the request's chunks from its second token on (the first one is the prefill replica's
-        to send). Refusals and failures as in `generate` (`TransferFailed` when the KV never
-        came); a caller that goes away aborts the request and frees its slots."""
+        `KVReservation` (the tickets for the prefill replica) once the slots are reserved (within
+        `wait_s` seconds where there is no room now), then the request's chunks from its second
+        token on (the first one is the prefill replica's to send). Refusals and failures as in
+        `generate` (`TransferFailed` when the KV never came); a refusal for want of room carries
+        this replica's stats, so the router tries one with room next. The caller renews the
+        reservation's lease (`renew`) until its prefill begins. A caller that goes away aborts
+        the request and frees its slots."""
         try:
             req = GenerateRequest.from_dict(request)
-            stream, done = self.engine.reserve(req)
+            stream, done = self.engine.reserve(req, float(wait_s))
         except (InvalidRequest, QueueFull) as e:
-            yield encode_error(e)
+            yield encode_event(Failure(self._with_report(e)))
             return
         finished = False
         try:
@@ -125,18 +137,34 @@ class EngineReplica:
                 tickets = await asyncio.wrap_future(done)
             except (InvalidRequest, QueueFull) as e:
                 finished = True  # refused on the engine thread: nothing was kept
-                yield encode_error(e)
+                yield encode_event(Failure(self._with_report(e)))
                 return
-            yield KVReservation(req.rid, tickets).to_dict()
+            yield encode_event(KVReservation(req.rid, tickets))
             async for chunk in stream:
-                yield chunk.to_dict()
+                yield encode_event(chunk)
             finished = True
         except (InvalidRequest, QueueFull, EngineError) as e:
             finished = True
-            yield encode_error(e)
+            yield encode_event(Failure(e))
         finally:
             if not finished:
                 self.engine.abort(req.rid)
+
+    def _with_report(self, error: Exception) -> Exception:
+        """A want of room, with this replica's stats (what the router's policy weighs)."""
+        if not isinstance(error, QueueFull):
+            return error
+        return QueueFull(str(error), self._stats())
+
+    def _stats(self) -> ReplicaStats:
+        s = self.engine.replica_stats()
+        s.replica_id = self.replica_id
+        return s
+
+    async def renew(self, rids: list[str]) -> int:
+        """PD, decode role: the prefill of these requests (any ingress's; ids this replica does
+        not serve are ignored) is still on its way: their reservations' leases start again."""
+        return self.engine.renew([str(r) for r in rids])
 
     async def model_card(self) -> dict[str, Any]:
         cfg = self.engine.model_config
@@ -152,19 +180,13 @@ class EngineReplica:
 
     async def stats(self) -> dict[str, Any]:
         self.engine.check_health()  # a stopped engine is no replica to count (/ready) until replaced
-        s = self.engine.replica_stats()
-        s.replica_id = self.replica_id
-        return s.to_dict()
+        return self._stats().to_dict()
 
     async def cache_summary(self, max_tokens: int) -> dict[str, Any]:
-        """What the router's correction needs, read together: this replica's `ReplicaStats`
-        and its cached prefixes (token paths, most recently used first, up to `max_tokens`
-        tokens in all; shared prefixes count once per path), with `namespaces[i]` the cache
-        namespace (tenant) of `prefixes[i]`."""
+        """What the router's correction needs, read together (a `CacheSummary`): this replica's
+        `ReplicaStats` and its cached prefixes, up to `max_tokens` tokens in all."""
         paths = await asyncio.to_thread(self.engine.cache_summary, int(max_tokens))
-        s = self.engine.replica_stats()
-        s.replica_id = self.replica_id
-        return {"stats": s.to_dict(), "prefixes": [p for _, p in paths], "namespaces": [n for n, _ in paths]}
+        return CacheSummary(self._stats(), paths).to_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (`EngineLoad` fields), which the policies of

@@ -54,6 +54,13 @@ class WorkerSetup:
 class CompileJob:
     kind: str
     text: str
+    reasoning: str | None = None  # the answer follows this convention's thinking
+
+    @property
+    def free_text(self) -> bool:
+        """Compiled against the vocabulary for free text: a regex, an EBNF, or any grammar after
+        thinking (which may hold newlines and control characters)."""
+        return self.kind != "json_schema" or self.reasoning is not None
 
 
 @dataclass(frozen=True)
@@ -216,13 +223,13 @@ def serve(fd: int, parent_pid: int) -> None:
             job: CompileJob = conn.recv()
         except EOFError:
             return
-        compiler = compilers["json" if job.kind == "json_schema" else "text"]
+        compiler = compilers["text" if job.free_text else "json"]
         conn.send(_compile(compiler, job, setup.any_whitespace))
 
 
 def _compile(compiler: xgr.GrammarCompiler, job: CompileJob, any_whitespace: bool) -> CompileResult:
     try:
-        grammar = parse_grammar(job.kind, job.text, any_whitespace)
+        grammar = parse_grammar(job.kind, job.text, any_whitespace, job.reasoning)
         return CompileResult(grammar_json=compiler.compile_grammar(grammar).serialize_json())
     except InvalidRequest as exc:
         return CompileResult(message=exc.message, param=exc.param, code=exc.code)

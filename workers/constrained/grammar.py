@@ -7,14 +7,23 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
+from radixserve.workers.constrained.forced_text import JUMP_BYTES_PER_TOKEN, MAX_JUMP_BYTES, ForcedText
+
 
 class Grammar:
     """One sequence's position in its grammar. Used from the engine thread only."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int], vocab_size: int):
+    def __init__(
+        self,
+        matcher: xgr.GrammarMatcher,
+        stop_token_ids: Sequence[int],
+        vocab_size: int,
+        forced: ForcedText,
+    ):
         self._matcher = matcher
         self._stop_token_ids = tuple(stop_token_ids)
         self._vocab_size = vocab_size
+        self._forced = forced
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar does not allow it."""
@@ -46,13 +55,14 @@ class Grammar:
         """True once a stop token was accepted at an end of the grammar: the request is done."""
         return self._matcher.is_terminated()
 
-    def jump_forward(self) -> str:
-        """The text the grammar forces next, whatever the model would say ("" if none)."""
-        return self._matcher.find_jump_forward_string()
+    def jump_forward(self, max_bytes: int = MAX_JUMP_BYTES) -> str:
+        """The text the grammar forces next, whatever the model would say ("" if none), at most
+        `max_bytes` bytes of it (bounded: see forced_text)."""
+        return self._forced.search(self._matcher, min(max_bytes, MAX_JUMP_BYTES))
 
     def copy(self) -> Grammar:
         """An independent matcher in the same state (for the n > 1 siblings of a request)."""
-        return Grammar(self._matcher.fork(), self._stop_token_ids, self._vocab_size)
+        return Grammar(self._matcher.fork(), self._stop_token_ids, self._vocab_size, self._forced)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
@@ -72,8 +82,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
         logits[rows if rows is not None else slice(None), width:] = float("-inf")
 
 
-def jump_forward_tokens(tokenizer, grammar: Grammar, last_token: int | None = None) -> list[int]:
-    """Tokens for the text the grammar forces next, accepted into `grammar`; [] if none.
+def jump_forward_tokens(
+    tokenizer, grammar: Grammar, last_token: int | None = None, max_tokens: int | None = None
+) -> list[int]:
+    """Tokens for the text the grammar forces next, accepted into `grammar`; [] if none. With
+    `max_tokens` (what the request may still generate) at most that many, from a search of at
+    most JUMP_BYTES_PER_TOKEN bytes per token.
 
     Boundaries are where a naive encode of the forced text goes wrong:
     - before it, the last generated token may merge with the text's first characters in the
@@ -84,10 +98,13 @@ def jump_forward_tokens(tokenizer, grammar: Grammar, last_token: int | None = No
     A token the grammar rejects (a tokenizer that adds a prefix space, a special token spelled in
     the text) ends the jump there; the tokens before it stay accepted and are returned.
     """
-    text = grammar.jump_forward()
+    limit = MAX_JUMP_BYTES if max_tokens is None else max_tokens * JUMP_BYTES_PER_TOKEN
+    text = grammar.jump_forward(limit)
     if not text:
         return []
     ids = _encode_after(tokenizer, text, last_token)[:-1]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
     special = set(tokenizer.all_special_ids)
     accepted: list[int] = []
     for token_id in ids:

@@ -2,7 +2,8 @@
 
 How the engine uses it (one replica has one `GrammarBackend`):
 
-1. A request with `SamplingParams.grammar == (kind, text)` calls `backend.submit(kind, text)` and
+1. A request with `SamplingParams.grammar == (kind, text, reasoning)` calls
+   `backend.submit(kind, text, reasoning)` (reasoning: the answer follows thinking) and
    waits in a grammar queue until the future is done (never blocking the engine loop: `submit`
    does no parsing). A future that raises `InvalidRequest` finishes the request with that error
    (400 at the HTTP layer), `QueueFull` with a 503.
@@ -14,7 +15,8 @@ How the engine uses it (one replica has one `GrammarBackend`):
 4. After sampling, `accept_token(token)` advances the matcher; False means the sampler ignored the
    mask (a bug: abort the request). When `is_terminated()` the request finishes (reason "stop"),
    even with ignore_eos: the grammar admits nothing more.
-5. Jump-forward: `jump_forward_tokens(tokenizer, grammar, last_token)` returns the forced tokens,
+5. Jump-forward: `jump_forward_tokens(tokenizer, grammar, last_token, max_tokens)` returns the
+   forced tokens (from a bounded search: forced_text),
    already accepted by the grammar; the engine appends them and runs them as one extend step.
 6. At shutdown, `backend.close()` stops the worker processes.
 """
@@ -39,15 +41,16 @@ from radixserve.workers.constrained.compile_worker import (
     WorkerGone,
     WorkerSetup,
 )
+from radixserve.workers.constrained.forced_text import ForcedText
 from radixserve.workers.constrained.grammar import Grammar
 from radixserve.workers.constrained.parser import check_text
 from radixserve.workers.constrained.vocab import tokenizer_infos
-from radixserve.workers.protocol import EngineError, InvalidRequest, QueueFull
+from radixserve.workers.protocol import REASONING_FORMATS, EngineError, InvalidRequest, QueueFull
 
 logger = logging.getLogger(__name__)
 
 CompiledGrammar = xgr.CompiledGrammar
-_Key = tuple[str, str]
+_Key = tuple[str, str, str | None]
 _FOREVER, _NOT_KEPT = None, 0.0  # how long a result is remembered
 _COUNTED = {"grammar_compile_timeout": "timeouts", "grammar_compile_failed": "worker_deaths"}
 
@@ -106,7 +109,8 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(sorted(set(stop_token_ids)))
         text_info, json_info = tokenizer_infos(tokenizer, vocab_size, self.stop_token_ids, any_whitespace)
-        self._infos = {"json_schema": json_info, "regex": text_info, "ebnf": text_info}
+        self._infos = {"json": json_info, "text": text_info}
+        self._forced = ForcedText(text_info.decoded_vocab, vocab_size)
         setup = WorkerSetup(text_info.serialize_json(), json_info.serialize_json(), any_whitespace)
         self._timeout_s = compile_timeout_s
         self._timeout_memory_s = timeout_memory_s
@@ -128,9 +132,11 @@ class GrammarBackend:
         for thread in self._drivers:
             thread.start()
 
-    def submit(self, kind: str, text: str) -> concurrent.futures.Future:
-        """A future of the CompiledGrammar for (kind, text); it raises InvalidRequest if bad,
-        QueueFull if too many compiles are waiting. ValueError (at once) for an unknown kind.
+    def submit(self, kind: str, text: str, reasoning: str | None = None) -> concurrent.futures.Future:
+        """A future of the CompiledGrammar for (kind, text), constraining what follows the
+        thinking of the `reasoning` convention where one is named; it raises InvalidRequest if
+        bad, QueueFull if too many compiles are waiting. ValueError (at once) for an unknown kind
+        or convention.
 
         Returns at once. Identical grammars share one compile and one future; do not cancel it
         (other requests may be waiting on it), just drop it.
@@ -139,7 +145,11 @@ class GrammarBackend:
             check_text(kind, text)  # O(1): an oversized text is not worth shipping to a worker
         except InvalidRequest as exc:
             return _resolved(exc)
-        key = (kind, text)
+        if reasoning is not None and reasoning not in REASONING_FORMATS:
+            raise ValueError(
+                f"unknown reasoning format {reasoning!r}; expected one of {list(REASONING_FORMATS)}"
+            )
+        key = (kind, text, reasoning)
         with self._cond:
             if self._closed:
                 return _resolved(EngineError("the grammar backend is closed"))
@@ -238,13 +248,14 @@ class GrammarBackend:
 
     def _run(self, worker: CompileWorker, job: _Job) -> tuple[object, float | None]:
         """(CompiledGrammar or the error for the job, how long to remember it)."""
-        kind, text = job.key
+        kind, text, reasoning = job.key
         try:
             worker.start()
         except WorkerGone as exc:
             return EngineError(f"no grammar compile worker: {exc}"), _NOT_KEPT
         try:
-            result = worker.compile(CompileJob(kind, text), self._timeout_s)
+            compile_job = CompileJob(kind, text, reasoning)
+            result = worker.compile(compile_job, self._timeout_s)
         except CompileTimeout:
             message = f"the {kind} grammar took longer than {self._timeout_s:g}s to compile; simplify it"
             return InvalidRequest(message, kind, "grammar_compile_timeout"), self._timeout_memory_s
@@ -258,7 +269,8 @@ class GrammarBackend:
         if error is not None:
             return error, _FOREVER
         # Releases the GIL: 65 ms for a 5 MB grammar, during which the engine thread runs on.
-        return CompiledGrammar.deserialize_json(result.grammar_json, self._infos[kind]), _FOREVER
+        info = self._infos["text" if compile_job.free_text else "json"]
+        return CompiledGrammar.deserialize_json(result.grammar_json, info), _FOREVER
 
     def _finish(self, job: _Job, result: object, keep_s: float | None) -> None:
         with self._cond:
@@ -280,7 +292,7 @@ class GrammarBackend:
 
     def new_matcher(self, compiled: CompiledGrammar) -> Grammar:
         """A fresh per-request matcher at the grammar's start."""
-        return Grammar(xgr.GrammarMatcher(compiled), self.stop_token_ids, self.vocab_size)
+        return Grammar(xgr.GrammarMatcher(compiled), self.stop_token_ids, self.vocab_size, self._forced)
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
         """int32 [batch_size, ceil(vocab_size / 32)], bit set = token allowed. Reuse it per step."""

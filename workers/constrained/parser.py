@@ -19,16 +19,15 @@ from typing import Any
 
 import xgrammar as xgr
 
-from radixserve.workers.protocol import InvalidRequest
+from radixserve.workers.constrained.think_grammar import after_thinking
+from radixserve.workers.protocol import GRAMMAR_KINDS, MAX_GRAMMAR_CHARS, MAX_JSON_DEPTH, InvalidRequest
 
-# The kinds are also the request fields they come from (OpenAI's `param` in the error body).
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+# The limits (workers/protocol.py) are checked before anything is parsed: an array schema nested
+# 128 deep takes 0.25 s to compile, 900 deep 34 s; a compile past the timeout is killed anyway, but
+# they refuse the obvious cases at once and with a precise reason. The kinds are also the request
+# fields they come from (OpenAI's `param` in the error body).
 
-# Checked before anything is parsed. Compile time grows with both, superlinearly with nesting
-# (an array schema nested 128 deep takes 0.25 s to compile, 900 deep 34 s); a compile past the
-# timeout is killed anyway, but these refuse the obvious cases at once and with a precise reason.
-MAX_GRAMMAR_CHARS = 256 * 1024
-MAX_JSON_DEPTH = 64  # objects and arrays in the schema's JSON text, the outermost one included
+_TAG_NESTING = 16  # a structural tag's own nesting (tags, sequences) around the schemas it holds
 
 # Keywords xgrammar 0.2.9 accepts but ignores (verified against its converter): honouring the
 # request would need them, so a schema using them is refused rather than half-enforced.
@@ -79,13 +78,20 @@ def check_text(kind: str, text: Any) -> None:
         )
 
 
-def parse_grammar(kind: str, text: str, any_whitespace: bool = False) -> xgr.Grammar:
-    """The xgrammar Grammar for (kind, text); raises InvalidRequest (param, code set) if bad."""
+def parse_grammar(
+    kind: str, text: str, any_whitespace: bool = False, reasoning: str | None = None
+) -> xgr.Grammar:
+    """The xgrammar Grammar for (kind, text), after the thinking of the `reasoning` convention
+    where one is named (think_grammar.py); raises InvalidRequest (param, code set) if bad."""
     check_text(kind, text)
     if kind == "json_schema":
         check_json_schema(text)
         build = lambda: xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
         what, code = "JSON schema", "invalid_schema"
+    elif kind == "structural_tag":
+        check_structural_tag(text)
+        build = lambda: xgr.Grammar.from_structural_tag(text)
+        what, code = "structural tag", "invalid_structural_tag"
     elif kind == "regex":
         build = lambda: xgr.Grammar.from_regex(text)
         what, code = "regex", "invalid_regex"
@@ -93,9 +99,26 @@ def parse_grammar(kind: str, text: str, any_whitespace: bool = False) -> xgr.Gra
         build = lambda: xgr.Grammar.from_ebnf(text)
         what, code = "EBNF grammar", "invalid_ebnf"
     try:
-        return build()
-    except RuntimeError as exc:
+        return json_strings_without_controls(after_thinking(build(), reasoning))
+    except (RuntimeError, ValueError) as exc:  # a structural tag's pydantic errors are ValueErrors
         raise InvalidRequest(f"invalid {what}: {clean_error(exc)}", kind, code) from None
+
+
+# xgrammar 0.2.9 writes the characters of a length-limited JSON string (minLength / maxLength) as
+# this class, which admits raw control characters; JSON admits none (its other string rules
+# exclude \0-\x1f). The JSON vocabulary (vocab.py) drops such tokens, but a grammar compiled
+# against the free-text one (after thinking, around tool calls) would let "\x05" into a string.
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+def json_strings_without_controls(grammar: xgr.Grammar) -> xgr.Grammar:
+    """`grammar` with each length-limited JSON string's characters as JSON has them (the grammar
+    itself where it has none)."""
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def check_json_schema(text: str) -> None:
@@ -117,6 +140,32 @@ def check_json_schema(text: str) -> None:
         )
     for path, node in _subschemas(schema):
         _check_node(path, node)
+
+
+def check_structural_tag(text: str) -> None:
+    """A structural tag is JSON whose `json_schema` formats are checked as `check_json_schema`
+    checks a schema (errors under the structural_tag param)."""
+    try:
+        tag = json.loads(text)
+    except (RecursionError, ValueError) as exc:
+        raise InvalidRequest(
+            f"structural_tag is not valid JSON: {exc}", "structural_tag", "invalid_json"
+        ) from None
+    if _depth(tag) > MAX_JSON_DEPTH + _TAG_NESTING:
+        raise InvalidRequest("the structural_tag nests too deep", "structural_tag", "schema_too_deep")
+    stack = [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                try:
+                    check_json_schema(json.dumps(node["json_schema"]))
+                except InvalidRequest as exc:
+                    raise InvalidRequest(exc.message, "structural_tag", exc.code) from None
+            else:
+                stack.extend(node.values())
 
 
 def _too_deep() -> InvalidRequest:

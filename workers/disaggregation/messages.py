@@ -6,7 +6,9 @@ for Ray); the data plane carries raw K/V bytes, one payload per DATA frame. Noth
 pickled: a replica of another version fails loudly at decode time.
 
 `KVTicket` is what a decode replica hands out (through the router) so that a prefill replica can
-send it a request's pages: where to connect, which transfer, and the receiver's slots.
+send it a request's pages: where to connect, which transfer, and the receiver's slots. The router
+carries it too, so it is a message of the router's contract (workers/protocol.py), re-exported
+here with its `KVEndpoint`.
 """
 
 from __future__ import annotations
@@ -21,86 +23,8 @@ from typing import Any
 
 from radixserve.workers.disaggregation.packing import Piece
 from radixserve.workers.disaggregation.spec import KVSpec
-
-
-@dataclass(frozen=True)
-class KVEndpoint:
-    """Where a receiving replica listens. `address` is "host:port" of its TCPStore for gloo/nccl,
-    "namespace/actor_name" of its inbox actor for ray."""
-
-    transport: str
-    replica_id: str
-    address: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVEndpoint:
-        return cls(transport=str(d["transport"]), replica_id=str(d["replica_id"]), address=str(d["address"]))
-
-
-@dataclass(frozen=True)
-class KVTicket:
-    """One expected transfer: the receiver's slots for tokens `held_tokens ..` of the request.
-
-    The receiver already holds the first `held_tokens` tokens (its radix cache matched them), so
-    only the rest moves; `dst_slots` are in token order and were allocated before the ticket was
-    issued. Valid until the receiver's deadline for it passes.
-
-    A tensor-parallel receiver's KV is spread over its ranks' pools (each its own heads, at the
-    same slots): `endpoint` is rank 0's, `rank_endpoints` ranks 1..N-1's (`for_rank`). The
-    receiver expects its KV from a sender of `sender_tp_size` ranks (0: of its own degree), each
-    moving the heads the plan of executor/tp_kv.py gives it.
-    """
-
-    transfer_id: str
-    endpoint: KVEndpoint
-    dst_slots: tuple[int, ...]
-    held_tokens: int = 0
-    rank_endpoints: tuple[KVEndpoint, ...] = ()
-    sender_tp_size: int = 0
-
-    @property
-    def tp_size(self) -> int:
-        """The receiving replica's tensor-parallel degree."""
-        return 1 + len(self.rank_endpoints)
-
-    @property
-    def sender_tp(self) -> int:
-        """The sending replica's degree the receiver planned its parts for."""
-        return self.sender_tp_size or self.tp_size
-
-    def for_rank(self, rank: int) -> KVTicket:
-        """The ticket rank `rank` of the sender uses: the same transfer, into its peer rank."""
-        if not 0 <= rank < self.tp_size:
-            raise ValueError(f"transfer {self.transfer_id!r} has {self.tp_size} rank(s), not a rank {rank}")
-        endpoint = self.endpoint if rank == 0 else self.rank_endpoints[rank - 1]
-        return dataclasses.replace(self, endpoint=endpoint, rank_endpoints=())
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "transfer_id": self.transfer_id,
-            "endpoint": self.endpoint.to_dict(),
-            "dst_slots": list(self.dst_slots),
-            "held_tokens": self.held_tokens,
-        }
-        if self.rank_endpoints:
-            d["rank_endpoints"] = [e.to_dict() for e in self.rank_endpoints]
-        if self.sender_tp_size:
-            d["sender_tp_size"] = self.sender_tp_size
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVTicket:
-        return cls(
-            transfer_id=str(d["transfer_id"]),
-            endpoint=KVEndpoint.from_dict(d["endpoint"]),
-            dst_slots=tuple(int(s) for s in d["dst_slots"]),
-            held_tokens=int(d.get("held_tokens", 0)),
-            rank_endpoints=tuple(KVEndpoint.from_dict(e) for e in d.get("rank_endpoints", ())),
-            sender_tp_size=int(d.get("sender_tp_size", 0)),
-        )
+from radixserve.workers.protocol import KVEndpoint as KVEndpoint
+from radixserve.workers.protocol import KVTicket as KVTicket
 
 
 class FrameKind(enum.StrEnum):

@@ -13,12 +13,18 @@ import torch
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def gpu_count() -> int:
+    """The CUDA devices torch sees here, 0 without CUDA: what "auto" goes by (one seam, so that a
+    test can answer it as a GPU host would)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def device_kind(name: str) -> str:
     """ "cpu" or "cuda" for a `--device` choice, resolved on this host (no error for "cuda")."""
     if name not in DEVICES:
         raise ValueError(f"device {name!r} is not supported; supported devices: {', '.join(DEVICES)}")
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if gpu_count() > 0 else "cpu"
     return name
 
 

@@ -23,11 +23,21 @@ class AddRequest:
 @dataclass(frozen=True)
 class ReserveRequest:
     """PD, decode side: reserve KV slots for a request's sequences and start decoding them once
-    their KV arrives. `done` gets the tickets (one per sequence), or the refusal."""
+    their KV arrives. `done` gets the tickets (one per sequence), or the refusal. Without room
+    now, the reservation waits up to `wait_s` for some (0: refused at once)."""
 
     reqs: list[Req]
     stream: bool
     done: Future
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RenewReservations:
+    """PD, decode side: the prefill of these requests is still on its way (queued or computing
+    on a prefill replica): their reservations' leases start again."""
+
+    rids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -56,4 +66,13 @@ class Stop:
     """Leave the loop; requests still in flight end with an EngineError."""
 
 
-Command = AddRequest | ReserveRequest | AbortRequest | FlushCache | CacheSummary | RankTransfersOpen | Stop
+Command = (
+    AddRequest
+    | ReserveRequest
+    | RenewReservations
+    | AbortRequest
+    | FlushCache
+    | CacheSummary
+    | RankTransfersOpen
+    | Stop
+)

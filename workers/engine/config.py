@@ -10,7 +10,8 @@ from radixserve.workers.distributed.device import DEVICES
 from radixserve.workers.distributed.parallel import ParallelConfig
 from radixserve.workers.mem_cache.radix_cache import EVICTION_POLICIES
 from radixserve.workers.models.attention import ATTENTION_BACKENDS
-from radixserve.workers.protocol import KV_TRANSFER_CHOICES, ROLES
+from radixserve.workers.models.int8_weight import QUANTIZATIONS
+from radixserve.workers.protocol import KV_TRANSFER_CHOICES, ROLES, Role
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 # enable_overlap=None leaves overlap off on CPU, where it measured slower (2 cores, SmolLM2-135M, one
@@ -27,6 +28,8 @@ class EngineConfig:
     model_path: str | None = None  # None = the embedded default model
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = bf16 where the CPU/GPU supports it, else fp32
+    # Weight quantization at load (workers/models/int8_weight.py): none | int8 (per output channel).
+    quantization: str = "none"
     device: str = "auto"  # one of DEVICES: auto = cuda where torch sees a GPU, else cpu
     context_length: int | None = None  # default: the model's
     mem_fraction_static: float | None = None  # share of memory for weights + KV pool
@@ -39,6 +42,9 @@ class EngineConfig:
     max_queued_requests: int | None = None
     max_prefill_tokens: int = 8192  # token budget of one prefill batch
     chunked_prefill_size: int = 2048  # -1 or 0 disables chunking
+    # A prefill step also carries every running decode (one token each, out of the prefill's token
+    # budget): decodes never wait behind a prefill, and one forward reads the weights for both.
+    enable_mixed_chunk: bool = False
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu (radix_cache.py)
@@ -48,6 +54,11 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     random_seed: int = 0
+    # Batch-invariant kernels (fixed-order GEMM at every row count, attention over key blocks from
+    # position 0 in prefill and decode alike): a request's tokens, seeded sampling included, are
+    # bitwise the same whatever else runs. CPU only, bf16 packed GEMM, tp_size 1 (validated here
+    # and at load); load_tests/bench_deterministic.py measures its cost.
+    deterministic: bool = False
     num_threads: int | None = None  # torch threads of each rank; None: all cores (a rank: its share)
     # Tensor parallelism: tp_size ranks run every forward, each with its shard of the model and a
     # KV pool of its own heads; rank 0 (this engine) schedules. ep_size spreads a MoE model's
@@ -56,12 +67,15 @@ class EngineConfig:
     ep_size: int = 1
     grammar_compile_timeout_s: float = 10.0
     enable_jump_forward: bool = True  # append grammar-forced tokens without a decode step each
+    # A piece of the engine thread's work (one request's token or text work, a step's forward)
+    # still running after this long is logged with the request(s) it serves (engine/watchdog.py).
+    step_watchdog_s: float = 10.0
     stream_interval: int = 1  # stream every N tokens
     # PD disaggregation. The role is set per deployment by the application builder, never by
     # the user; a prefill or decode engine moves KV over `kv_transfer` (auto: nccl on CUDA pools,
     # gloo on CPU; or ray, the object store), and each side frees a transfer's slots when it has
     # not completed within `kv_transfer_timeout_s`.
-    role: str = "unified"
+    role: Role = Role.UNIFIED
     kv_transfer: str = "auto"
     kv_transfer_timeout_s: float = 30.0
     # Prefill role: send each layer of a prompt's last chunk as the forward writes it (False:
@@ -107,13 +121,48 @@ class EngineConfig:
             raise ValueError("stream_interval must be >= 1")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        object.__setattr__(self, "role", Role(self.role))  # a str from YAML or the CLI becomes the enum
         if self.kv_transfer not in KV_TRANSFER_CHOICES:
             raise ValueError(f"kv_transfer must be one of {KV_TRANSFER_CHOICES}, got {self.kv_transfer!r}")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
+        if not self.step_watchdog_s > 0:
+            raise ValueError("step_watchdog_s must be > 0")
         ParallelConfig(self.tp_size, self.ep_size)  # raises for sizes without a layout
         if self.kv_peer_tp_size < 0:
             raise ValueError("kv_peer_tp_size must be >= 0")
+        if self.deterministic:
+            self._check_deterministic()
+        self._check_quantization()
+
+    @property
+    def decodes(self) -> bool:
+        """Whether this replica decodes more than a first token per request (not a prefill one)."""
+        return self.role is not Role.PREFILL
+
+    def _check_deterministic(self) -> None:
+        # A ring all-reduce's per-element order depends on the buffer size (the batch), and the GPU
+        # backends have no fixed-order kernels: refuse rather than promise what does not hold.
+        if self.tp_size > 1:
+            raise ValueError(
+                "deterministic mode needs tp_size 1 (an all-reduce's order depends on the batch)"
+            )
+        if self.device == "cuda":
+            raise ValueError("deterministic mode runs on CPU only (device cpu or auto on a CPU host)")
+        if self.attention_backend not in ("auto", "cpu"):
+            raise ValueError(
+                f"deterministic mode needs the cpu attention backend, not {self.attention_backend!r}"
+            )
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "none":
+            return
+        if self.tp_size > 1:
+            raise ValueError("quantized weights run at tp_size 1")
+        if self.deterministic:
+            raise ValueError("deterministic mode runs the fixed-order bf16 GEMM, not quantized weights")
 
     @property
     def parallel(self) -> ParallelConfig:

@@ -16,6 +16,12 @@ from typing import Any
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT = 5  # prompt tokens decoded before the first output token, for its leading space
+# Undecoded tokens held while the text ends in U+FFFD. A character has at most 4 bytes and a token
+# at least one, so once this many wait, all but the last 3 can never complete a character: their
+# text is released as it decodes (U+FFFD for bytes that are no character). This bounds each step's
+# window (and its cost) for output that never forms a character, such as a run of lone UTF-8
+# continuation bytes, which would otherwise widen the window at every token.
+MAX_HELD_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -23,6 +29,9 @@ class IncrementalDetokenizer:
 
     For normal text, the concatenation of every delta returned by `add` and `flush` equals
     `tokenizer.decode(output_ids, skip_special_tokens=...)`, cut before the first stop string.
+    (Bytes that form no character are released after MAX_HELD_TOKENS tokens: there the number of
+    U+FFFD may differ from one decode of the whole.) A stop string is matched on the emitted text
+    too when it holds U+FFFD: `flush` reports a match in `stop_matched`.
     """
 
     def __init__(
@@ -81,13 +90,19 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
     def _decode_step(self) -> str:
-        """New text up to the last token, or "" while it ends in an unfinished character."""
+        """New text up to the last token, or "" while it ends in an unfinished character (for at
+        most MAX_HELD_TOKENS tokens)."""
         prefix = self._decode(self._prefix_offset, self._read_offset)
         full = self._decode(self._prefix_offset, len(self._ids))
-        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return full[len(prefix) :]
+        if len(self._ids) - self._read_offset < MAX_HELD_TOKENS:
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full[len(prefix) :]
+        settled = len(self._ids) - (MAX_HELD_TOKENS - 1)
+        text = self._decode(self._prefix_offset, settled)
+        self._prefix_offset, self._read_offset = self._read_offset, settled
+        return text[len(prefix) :]
 
     def _release(self, final: bool) -> tuple[str, str | None]:
         """Move pending text to the output, up to a stop match or a possible stop prefix."""

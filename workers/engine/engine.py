@@ -27,6 +27,7 @@ from radixserve.workers.engine.commands import (
     Command,
     FlushCache,
     RankTransfersOpen,
+    RenewReservations,
     ReserveRequest,
     Stop,
 )
@@ -121,12 +122,13 @@ class Engine:
         self._inbox.put(AddRequest(reqs, request.stream))
         return stream
 
-    def reserve(self, request: GenerateRequest) -> tuple[RequestStream, Future]:
+    def reserve(self, request: GenerateRequest, wait_s: float = 0.0) -> tuple[RequestStream, Future]:
         """PD, decode role: reserve KV slots for the request's sequences; call from a running
         event loop. The future resolves with one KV ticket (a dict) per sequence, for the prefill
-        replica, or fails with QueueFull when the slots are not there now (the stream then ends
-        with nothing). Once a sequence's KV and first token arrived, its chunks come on the
-        stream, from the second token on."""
+        replica, or fails with QueueFull when the slots are not there within `wait_s` (0: now;
+        the stream then ends with nothing). Once a sequence's KV and first token arrived, its
+        chunks come on the stream, from the second token on. The reservation's lease runs out
+        `kv_transfer_timeout_s` after it was made, unless `renew` restarts it (kv_handoff.py)."""
         if self._stopped:
             raise RuntimeError("engine is shut down")
         loop = asyncio.get_running_loop()
@@ -139,8 +141,18 @@ class Engine:
                 self._unregister(request.rid)
 
         done.add_done_callback(refused)
-        self._put(ReserveRequest(reqs, request.stream, done))
+        self._put(ReserveRequest(reqs, request.stream, done, max(0.0, float(wait_s))))
         return stream, done
+
+    def renew(self, rids: list[str]) -> int:
+        """PD, decode role: the prefill of these requests is still on its way; the leases of
+        their reservations here start again. Ids this engine does not serve are ignored; returns
+        how many it does."""
+        with self._lock:
+            mine = tuple(rid for rid in rids if rid in self._streams)
+        if mine:
+            self._put(RenewReservations(mine))
+        return len(mine)
 
     def _register(
         self, request: GenerateRequest, reqs: list, loop: asyncio.AbstractEventLoop
@@ -290,7 +302,12 @@ class Engine:
     async def _collect(self, request: GenerateRequest) -> list[dict[str, Any]]:
         outs: dict[int, dict[str, Any]] = {}
         async for chunk in self.submit(request):
-            _merge(outs.setdefault(chunk.index, _empty_result(request.rid)), chunk, self.tokenizer)
+            _merge(
+                outs.setdefault(chunk.index, _empty_result(request.rid)),
+                chunk,
+                self.tokenizer,
+                request.input_ids,
+            )
         return [outs[i] for i in sorted(outs)]
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
@@ -310,7 +327,7 @@ class Engine:
         request.stream = True
         async for chunk in self.submit(request):
             out = outs.setdefault(chunk.index, _empty_result(request.rid))
-            _merge(out, chunk, self.tokenizer)
+            _merge(out, chunk, self.tokenizer, request.input_ids)
             yield dict(out, index=chunk.index, meta_info=dict(out["meta_info"]))
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None):
@@ -426,7 +443,9 @@ def _empty_result(rid: str) -> dict[str, Any]:
     return native_result(rid)
 
 
-def _merge(out: dict[str, Any], chunk: OutputChunk, tokenizer: Any) -> None:
+def _merge(
+    out: dict[str, Any], chunk: OutputChunk, tokenizer: Any, input_ids: list[int] | None = None
+) -> None:
     """Logprob triples carry the token's text: the engine has the tokenizer (SGLang fills it only
-    with return_text_in_logprobs; here it is always there, as over HTTP)."""
-    add_to_native_result(out, chunk, lambda t: tokenizer.decode([t], skip_special_tokens=False))
+    with return_text_in_logprobs; here it is always there)."""
+    add_to_native_result(out, chunk, lambda t: tokenizer.decode([t], skip_special_tokens=False), input_ids)

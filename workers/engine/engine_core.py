@@ -17,9 +17,9 @@ them gets an EngineError on its stream, and the others keep running.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -35,23 +35,26 @@ from radixserve.workers.engine.commands import (
     Command,
     FlushCache,
     RankTransfersOpen,
+    RenewReservations,
     ReserveRequest,
     Stop,
 )
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.grammar_queue import GrammarQueue
 from radixserve.workers.engine.inflight import InflightRequests
-from radixserve.workers.engine.kv_handoff import KVHandoff
+from radixserve.workers.engine.kv_handoff import make_connector, rank_kv_spec
 from radixserve.workers.engine.output_processor import OutputProcessor
 from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.request_builder import RequestBuilder
 from radixserve.workers.engine.scheduler import Scheduler
 from radixserve.workers.engine.step_stats import StepStats
+from radixserve.workers.engine.token_latency import TokenLatency
+from radixserve.workers.engine.watchdog import StepWatchdog
 from radixserve.workers.executor.cpu_runtime import tune_malloc
 from radixserve.workers.executor.forward_worker import ForwardJob, ForwardWorker
 from radixserve.workers.executor.model_runner import ModelRunner
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
-from radixserve.workers.executor.tp_kv import KVLayout, RankKVSpec, fingerprint_of
+from radixserve.workers.executor.tp_kv import KVLayout, fingerprint_of
 from radixserve.workers.executor.tp_leader import TPLeader
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.mem_cache.memory import max_tokens_for_memory
@@ -59,7 +62,13 @@ from radixserve.workers.mem_cache.prefix_cache import NullCache
 from radixserve.workers.mem_cache.radix_cache import RadixCache
 from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.workers.models.loader import load_model
-from radixserve.workers.protocol import EngineError, EngineLoad, GenerateRequest, InvalidRequest
+from radixserve.workers.protocol import (
+    EngineError,
+    EngineLoad,
+    FinishKind,
+    GenerateRequest,
+    InvalidRequest,
+)
 from radixserve.workers.sampling.sampler import Sampler
 
 logger = logging.getLogger("radixserve.engine")
@@ -89,12 +98,18 @@ class EngineCore:
             config.attention_backend,
             config.num_threads,
             rank_launcher,
-            kv=_rank_kv(config),
+            kv=rank_kv_spec(config),
             device=self.device.type,
         )
         try:
             loaded = load_model(
-                config.model_path, dtype, config.attention_backend, self.tp.parallel, self.device
+                config.model_path,
+                dtype,
+                config.attention_backend,
+                self.tp.parallel,
+                self.device,
+                deterministic=config.deterministic,
+                quantization=config.quantization,
             )
             mc = loaded.config
             self.pool = KVPool(
@@ -152,22 +167,20 @@ class EngineCore:
         self._prev: ForwardJob | None = None  # overlap: the step whose text is still to do
         self._outbox: list[tuple[str, Any]] = []  # produced between steps, delivered by the next
         self.inflight = InflightRequests(self.outputs)
-        self.handoff: KVHandoff | None = None
-        if config.role != "unified":
-            self.handoff = KVHandoff(
-                config.role,
-                config.kv_transfer,
-                config.kv_transfer_timeout_s,
-                self.scheduler,
-                self.outputs,
-                self.inflight,
-                self.served_model_name,
-                fingerprint_of(loaded),
-                KVLayout.of(loaded, config.tp_size),
-                config.kv_peer_tp_size,
-                self.tp.rank_transfers(config.role),
-            )
+        self.connector = make_connector(
+            config,
+            self.scheduler,
+            self.outputs,
+            self.inflight,
+            self.grammars,
+            self.served_model_name,
+            fingerprint_of(loaded),
+            KVLayout.of(loaded, config.tp_size),
+            self.tp.rank_transfers,
+        )
+        self.latency = TokenLatency()  # the load's TTFT and ITL
         self.timing = StepStats()
+        self.watchdog = StepWatchdog(config.step_watchdog_s)
         self.counters = dict(computed_tokens_total=0)
         # Published at every step boundary, replaced whole (never mutated): any thread may read it.
         self.load = EngineLoad()
@@ -195,7 +208,7 @@ class EngineCore:
         row at the full context, every step). A prefill replica decodes no more than a first token
         per request: it captures none."""
         c = self.config
-        if self.device.type != "cuda" or c.disable_cuda_graph or c.tp_size > 1 or c.role == "prefill":
+        if self.device.type != "cuda" or c.disable_cuda_graph or c.tp_size > 1 or not c.decodes:
             return False
         return getattr(model, "graph_capturable", False) and model.backend.name == "triton"
 
@@ -204,26 +217,7 @@ class EngineCore:
         """Validate a request and build its n sequences; raises InvalidRequest. Pure: it touches
         no engine state (the engine thread registers the request when it adds it)."""
         reqs = self.requests.build(request)
-        if request.kv_tickets is not None:
-            if self.config.role != "prefill":
-                raise InvalidRequest("KV tickets are for prefill replicas only", "kv_tickets")
-            if len(request.kv_tickets) != len(reqs):
-                raise InvalidRequest(
-                    f"{len(request.kv_tickets)} KV tickets for {len(reqs)} sequences", "kv_tickets"
-                )
-            from radixserve.workers.disaggregation import KVTicket
-
-            for req, ticket in zip(reqs, request.kv_tickets):
-                req.kv_ticket = KVTicket.from_dict(ticket)
-                if req.kv_ticket.held_tokens + len(req.kv_ticket.dst_slots) != len(req.origin_input_ids):
-                    raise InvalidRequest("the KV ticket does not cover the prompt", "kv_tickets")
-                if req.kv_ticket.sender_tp != self.config.tp_size:
-                    raise InvalidRequest(
-                        f"the decode replica expects KV from prefill replicas of tp_size "
-                        f"{req.kv_ticket.sender_tp}, this one runs tp_size {self.config.tp_size} "
-                        "(--prefill-tp must be the prefill pool's degree)",
-                        "kv_tickets",
-                    )
+        self.connector.bind_tickets(reqs, request.kv_tickets)
         return reqs
 
     def num_running(self) -> int:
@@ -240,12 +234,12 @@ class EngineCore:
             or bool(self.grammars)
             or self._prev is not None
             or bool(self._outbox)
-            or (self.handoff is not None and self.handoff.busy())
+            or self.connector.busy()
         )
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
-        pd = self.handoff.stats() if self.handoff is not None else {}
+        pd = self.connector.stats()
         graphs = self.runner.graphs
         return dict(
             role=self.config.role,
@@ -260,6 +254,9 @@ class EngineCore:
             kv_evictable=self.cache.evictable_size(),
             kv_protected=self.cache.protected_size(),
             num_retractions=sched.num_retractions,
+            mixed_steps_total=sched.num_mixed_steps,
+            watchdog_stalls_total=self.watchdog.stalls_total,
+            watchdog_slow_total=self.watchdog.slow_total,
             **self.counters,
             **self.inflight.counters,
             **self.outputs.counters,
@@ -274,7 +271,9 @@ class EngineCore:
             case AddRequest():
                 self.add(cmd.reqs, cmd.stream)
             case ReserveRequest():
-                self.reserve(cmd.reqs, cmd.stream, cmd.done)
+                self.connector.reserve(cmd, self._outbox)
+            case RenewReservations():
+                self.connector.renew(cmd.rids)
             case AbortRequest():
                 self.abort(cmd.rid)
             case FlushCache():
@@ -298,6 +297,8 @@ class EngineCore:
             return
         try:
             # The grammar is parsed and compiled off this thread; the request waits meanwhile.
+            for r in reqs:
+                r.status = ReqStatus.WAITING_FOR_GRAMMAR
             self.grammars.add(reqs)
         except Exception as exc:
             self.inflight.fail(
@@ -327,48 +328,26 @@ class EngineCore:
                 return
         self.scheduler.add(req)
 
-    def reserve(self, reqs: list[Req], stream: bool, done: Future) -> None:
-        """PD decode: reserve the sequences' slots and tickets; they start once their KV is in."""
-        if not done.set_running_or_notify_cancel():
-            return  # the caller gave up waiting (its task was cancelled): reserve nothing
-        if self.handoff is None or self.config.role != "decode":
-            done.set_exception(InvalidRequest("this replica does not decode for others", "role"))
-            return
-        try:
-            tickets = self.handoff.reserve(reqs)
-        except Exception as exc:
-            done.set_exception(exc)
-            return
-        self.inflight.add(reqs, stream)
-        if reqs[0].params.grammar is not None:
-            try:
-                self.grammars.add(reqs)
-            except Exception as exc:
-                self.inflight.fail(
-                    reqs[0].rid, EngineError(f"starting the grammar compile failed: {exc!r}"), self._outbox
-                )
-        done.set_result(tickets)
-
     def abort(self, rid: str) -> None:
+        self.connector.abort(rid)
         for r in self.inflight.get(rid):
             if r.finish_reason is None:  # one that finished already keeps its reason
                 r.aborted = True
-                r.finish("abort", message="aborted by the client")
+                r.finish(FinishKind.ABORT, message="aborted by the client")
 
     def flush_cache(self) -> bool:
         """Between steps only; refused while any request is in flight. Sequences whose final chunk
         went out are released first (that normally waits for the next step boundary, and in overlap
         mode for the forward that still included them), so a client that got its answer can flush."""
-        self._release_finished()
-        busy = self.handoff is not None and self.handoff.busy()
-        if self.inflight or self.scheduler.has_work() or busy:  # inflight: a request owes a chunk
+        self._settle_ended(self._outbox)
+        # inflight: a request still owes a chunk
+        if self.inflight or self.scheduler.has_work() or self.connector.busy():
             return False
         return bool(self.cache.reset())
 
     def rank_transfers_open(self) -> int:
         """Between steps: the KV transfers the tensor-parallel followers hold open (0 at idle)."""
-        ranks = self.handoff.ranks if self.handoff is not None else None
-        return ranks.open_count() if ranks is not None else 0
+        return self.connector.open_rank_transfers()
 
     def rank_failure(self) -> str | None:
         """Between steps: why the tensor-parallel group can no longer serve, or None (always at
@@ -379,7 +358,7 @@ class EngineCore:
         """How long the loop may block for new commands: not at all while there is work."""
         if self.scheduler.has_work() or self._prev is not None or self._outbox:
             return None
-        if self.handoff is not None and self.handoff.busy():
+        if self.connector.busy():
             return TRANSFER_POLL_S
         return GRAMMAR_POLL_S if self.grammars else IDLE_POLL_S
 
@@ -431,10 +410,13 @@ class EngineCore:
         if job is None:
             return None
         try:
+            self.watchdog.enter("the model step (forward, sampling)", _rids(job.plan.reqs), warn_slow=False)
             run(job)
         except Exception as exc:
             self._fail_batch(job.plan, "the model step", exc, out)
             return None
+        finally:
+            self.watchdog.leave()
         return job
 
     def _record(self, job: ForwardJob | None, host: float, text: float, hidden: float) -> None:
@@ -457,70 +439,68 @@ class EngineCore:
         """Step-boundary housekeeping (nothing is in flight), then the next plan and its tensors."""
         if self.grammars:
             for req in self.grammars.poll(self.inflight, out):
-                if self.handoff is None or not self.handoff.grammar_ready(req):
+                if not self.connector.grammar_ready(req):
                     self._schedule_new(req, out)
-        if self.handoff is not None:
-            self.handoff.poll(out)
-        for req in self.scheduler.take_aborted():
-            if req.error is not None:
-                self.inflight.fail(req.rid, EngineError(req.error), out)
-            else:
-                req.finish("abort", message="aborted")
-                self.inflight.emit_final(req, out)
-        self._release_finished()
+        self.connector.poll(out)
+        self._settle_ended(out)
         plan = self.scheduler.schedule()
-        self.load = self.scheduler.load()
+        self.load = dataclasses.replace(self.scheduler.load(), **self.latency.means())
         if plan is None:
             return None
         if plan.kind is BatchKind.PREFILL:
             self.counters["computed_tokens_total"] += plan.num_tokens
         try:
+            self.watchdog.enter("preparing a step (tensors, grammar bitmasks)", _rids(plan.reqs))
             job = self.worker.prepare(plan, self.grammars.bitmask)
         except Exception as exc:
             self._fail_batch(plan, "preparing the model step", exc, out)
             return None
-        if self.handoff is not None and self.config.role == "prefill":
-            try:
-                job.batch.layer_done = self.handoff.stream_layers(plan, self.config.kv_transfer_layerwise)
-            except Exception as exc:  # the tensor-parallel group is gone: the engine ends
-                self._fail_batch(plan, "starting the batch's KV transfers", exc, out)
-                return None
+        finally:
+            self.watchdog.leave()
+        try:
+            job.batch.layer_done = self.connector.before_forward(plan)
+        except Exception as exc:  # the tensor-parallel group is gone: the engine ends
+            self._fail_batch(plan, "starting the batch's KV transfers", exc, out)
+            return None
         return job
 
-    def _release_finished(self) -> None:
-        """Free the KV of sequences that finished since the last boundary (their final chunk may
-        have gone out already). A stop string can finish a retracted sequence: it leaves the queue."""
-        for req in [r for r in self.scheduler.running if r.finish_reason is not None]:
-            if self.handoff is not None and self.handoff.detach(req):
-                self.scheduler.running.remove(req)  # its slots stay locked until the send settles
+    def _settle_ended(self, out: list) -> None:
+        """The scheduler lets go of what ended since the last boundary; aborted (or failed)
+        sequences get their ending on their stream."""
+        for req in self.scheduler.take_ended(self.connector.keeps_slots):
+            if req.error is not None:
+                self.inflight.fail(req.rid, EngineError(req.error), out)
             else:
-                self.scheduler.finish(req)
-        if any(r.finish_reason is not None for r in self.scheduler.waiting):
-            for req in [r for r in self.scheduler.waiting if r.finish_reason is not None]:
-                req.status = ReqStatus.FINISHED
-            self.scheduler.waiting = deque(r for r in self.scheduler.waiting if r.finish_reason is None)
+                req.finish(FinishKind.ABORT, message="aborted")
+                self.inflight.emit_final(req, out)
 
     def _apply_tokens(self, job: ForwardJob, out: list) -> None:
         """Token-level results of a step: what the next schedule depends on."""
         plan = job.plan
         for req, stage, exc in job.failed:
             self.inflight.fail(req.rid, EngineError(f"{stage} of a sequence failed: {exc!r}"), out)
+        for req, position, values in job.input_logprobs or ():
+            if req.error is None:
+                req.add_input_logprobs(position, values)
         self.scheduler.after_step(plan)
         for req, m in zip(plan.reqs, plan.sample_mask):
             if m and req.params.max_new_tokens == 0:
-                req.finish("length")
+                req.finish(FinishKind.LENGTH)
         for k, req in enumerate(job.reqs):
             if req.error is not None:
                 continue  # failed: its token (a placeholder's) is dropped
             try:
+                self.watchdog.enter("appending a sampled token (grammar, jump-forward)", (req.key,))
                 self.worker.check_fault("tokens", req)
                 self.outputs.append_sampled(req, job.tokens[k], job.logprobs[k] if job.logprobs else None)
-                if req.kv_ticket is not None and self.handoff is not None and len(req.output_ids) == 1:
-                    self.handoff.start_send(req)
+                self.connector.after_token(req)
             except InvalidRequest as exc:  # the request's own grammar led nowhere: a 400, not a 500
                 self.inflight.fail(req.rid, exc, out)
             except Exception as exc:
                 self.inflight.fail(req.rid, EngineError(f"appending a sampled token failed: {exc!r}"), out)
+            finally:
+                self.watchdog.leave()
+        self.latency.on_tokens(r for r in job.reqs if r.error is None)
 
     def _apply_text(self, job: ForwardJob | None, out: list) -> None:
         """Text-level results of a step: detokenize, match stop strings, build chunks."""
@@ -530,6 +510,7 @@ class EngineCore:
             if not m or not self.inflight.owes(req):
                 continue  # mid-prefill, or ended meanwhile (its final chunk or error went out)
             try:
+                self.watchdog.enter("detokenizing (stop strings)", (req.key,))
                 self.worker.check_fault("text", req)
                 self.outputs.detokenize(req)
                 if req.finish_reason is not None:
@@ -540,6 +521,8 @@ class EngineCore:
                         out.append((req.rid, chunk))
             except Exception as exc:
                 self.inflight.fail(req.rid, EngineError(f"producing the output text failed: {exc!r}"), out)
+            finally:
+                self.watchdog.leave()
 
     # Failures --------------------------------------------------------------------------------
     def _fail_batch(self, plan: ScheduledBatch, what: str, exc: BaseException, out: list) -> None:
@@ -559,36 +542,21 @@ class EngineCore:
             logger.exception("producing the last outputs failed")
         for rid in list(self.inflight.by_rid):
             self.inflight.fail(rid, EngineError(message), out)
-        for req in list(self.scheduler.running):
-            self.scheduler.finish(req)
-        for req in self.scheduler.waiting:
-            req.status = ReqStatus.FINISHED
-        self.scheduler.waiting.clear()
+        self.connector.fail_all(message)  # no transfer touches a slot after this
+        self.scheduler.clear()
         self.grammars.clear()
-        if self.handoff is not None:
-            self.handoff.fail_all()
         return out
 
     def close(self) -> None:
+        self.watchdog.close()
         self.worker.close()
         self.grammars.close()
         self.tp.stop()
-        if self.handoff is not None:
-            self.handoff.close()
+        self.connector.close()
 
 
-def _rank_kv(config: EngineConfig) -> RankKVSpec | None:
-    """What a prefill or decode replica's following ranks need for KV transfers of their own."""
-    if config.role == "unified":
-        return None
-    return RankKVSpec(
-        config.role,
-        config.kv_transfer,
-        config.kv_transfer_timeout_s,
-        config.served_model_name,
-        config.tp_size,
-        config.kv_peer_tp_size,
-    )
+def _rids(reqs: list[Req]) -> list[str]:
+    return list(dict.fromkeys(r.key for r in reqs))
 
 
 def _answer(fut: Future, fn: Callable[[], Any]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from radixserve.workers.engine.output_processor import OutputProcessor
 from radixserve.workers.engine.request import Req
-from radixserve.workers.protocol import EngineError
+from radixserve.workers.protocol import EngineError, FinishKind
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -84,6 +84,6 @@ class InflightRequests:
             self.outputs.drop(r)
             r.error = str(error)
             r.aborted = True
-            r.finish("abort", message=str(error))
+            r.finish(FinishKind.ABORT, message=str(error))
         self.streaming.discard(rid)
         out.append((rid, error))

@@ -15,7 +15,7 @@ from typing import Any
 
 from radixserve.workers.constrained.grammar import jump_forward_tokens
 from radixserve.workers.engine.request import Req
-from radixserve.workers.protocol import InvalidRequest, OutputChunk, TokenLogprob
+from radixserve.workers.protocol import FinishKind, InvalidRequest, OutputChunk, TokenLogprob
 
 
 def dead_end(req: Req) -> InvalidRequest:
@@ -29,6 +29,14 @@ def dead_end(req: Req) -> InvalidRequest:
         kind,
         code="grammar_dead_end",
     )
+
+
+def _stopped_at_flush(req: Req) -> None:
+    """A stop string that only the held-back text completes (one containing U+FFFD, which an
+    unfinished character decodes to at the end) ends the sequence as a stop, not a length."""
+    matched = req.detokenizer.stop_matched if req.detokenizer is not None else None
+    if matched is not None and req.finish_reason is not None and req.finish_reason["type"] != "abort":
+        req.finish_reason = {"type": "stop", "matched": matched}
 
 
 class PendingOutput:
@@ -71,23 +79,27 @@ class OutputProcessor:
         self.counters["generation_tokens_total"] += 1
         if req.kv_ticket is not None:
             # PD prefill: the first token is all this replica samples; the decode replica goes on
-            # from the same state (tokens a grammar forces right after this one are sampled
-            # there, a step each, instead of jumped over: the same tokens, more steps).
-            req.finish("handoff")
+            # from the same state, and takes the tokens a grammar forces after it (`take_forced`).
+            req.finish(FinishKind.HANDOFF)
             return
         # Jump-forward appends several tokens at once; a stop string among them must cut the
         # output where it ends, so these sequences are detokenized token by token here.
-        eager = req.grammar is not None and bool(req.params.stop)
-        if eager:
+        if req.grammar is not None and bool(req.params.stop):
             self.detokenize(req)
+        self.take_forced(req)
+
+    def take_forced(self, req: Req) -> None:
+        """After a sequence's latest token (sampled here, or by a PD prefill replica): the tokens
+        its grammar forces next, with jump-forward on. Call after that token's `detokenize` where
+        the sequence has stop strings and a grammar."""
         if req.grammar is not None and req.finish_reason is None and self.jump_forward:
-            self._jump_forward(req, eager)
+            self._jump_forward(req, eager=bool(req.params.stop))
 
     def _jump_forward(self, req: Req, eager: bool) -> None:
         """Append the tokens the grammar forces; the next step computes them all in one extend
         instead of one decode step each."""
-        forced = jump_forward_tokens(self.tokenizer, req.grammar, req.output_ids[-1])
-        for token in forced[: req.max_new_remaining]:
+        forced = jump_forward_tokens(self.tokenizer, req.grammar, req.output_ids[-1], req.max_new_remaining)
+        for token in forced:
             self.append_token(req, token, None, accepted=True)
             self.counters["jump_forward_tokens_total"] += 1
             if eager:
@@ -121,15 +133,15 @@ class OutputProcessor:
         n_out = len(req.output_ids)
         if n_out >= p.min_new_tokens:
             if token in p.stop_token_ids:
-                req.finish("stop", token)
+                req.finish(FinishKind.STOP, token)
                 return
             if token in self.eos and not p.ignore_eos:
-                req.finish("stop", token)
+                req.finish(FinishKind.STOP, token)
                 return
         if req.grammar is not None and req.grammar.is_terminated():
-            req.finish("stop", None)
+            req.finish(FinishKind.STOP, None)
         elif n_out >= p.max_new_tokens or req.seq_len >= self.context_length:
-            req.finish("length")
+            req.finish(FinishKind.LENGTH)
 
     def detokenize(self, req: Req) -> bool:
         """Turn the tokens appended since the last call into text, one at a time; True if a stop
@@ -143,7 +155,7 @@ class OutputProcessor:
             text, matched = req.detokenizer.add([token])
             out.text += text
             if matched is not None:
-                req.finish("stop", matched)
+                req.finish(FinishKind.STOP, matched)
                 return True
         return False
 
@@ -160,6 +172,7 @@ class OutputProcessor:
             # replays the first token, sends it when (and if) it is due.
             if req.detokenizer is not None and req.kv_ticket is None:
                 out.text += req.detokenizer.flush()
+                _stopped_at_flush(req)
         elif out is None or len(out.token_ids) < self.stream_interval:
             return None
         else:
@@ -172,7 +185,9 @@ class OutputProcessor:
             logprobs=out.logprobs,
             finished=final,
             finish_reason=req.finish_reason if final else None,
+            input_logprobs=req.input_logprobs,
         )
+        req.input_logprobs = None  # sent with the first chunk only
         if final:
             chunk.prompt_tokens = len(req.origin_input_ids)
             chunk.completion_tokens = len(req.output_ids)

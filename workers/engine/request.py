@@ -7,13 +7,19 @@ import enum
 import time
 from typing import Any
 
-from radixserve.workers.protocol import SamplingParams
+from radixserve.workers.protocol import FinishKind, SamplingParams, TokenLogprob
 
 
 class ReqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+    """Where a sequence is; the scheduler's queues hold the states between WAITING and
+    SENDING_KV (engine/scheduler.py), and skip what is not ready to run."""
+
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its grammar compiles off the engine thread
+    WAITING = "waiting"  # queued for admission: new, resumed or retracted
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # PD decode: slots reserved, the KV on its way
+    RUNNING = "running"  # in the batch: prefilling in chunks, or decoding
+    SENDING_KV = "sending_kv"  # PD prefill: done here, its slots locked until its KV send settles
+    FINISHED = "finished"  # its slots released; `finish_reason` says how it ended
 
 
 class Req:
@@ -53,6 +59,7 @@ class Req:
         self.num_retractions = 0
         self.arrival = arrival if arrival is not None else time.monotonic()
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None  # when the engine last appended a token (TokenLatency)
         # Per-sequence helpers attached by the engine (generator, detokenizer, grammar).
         self.generator: Any = None
         self.detokenizer: Any = None
@@ -70,6 +77,9 @@ class Req:
         # Why the engine failed this sequence (the client gets an EngineError). Its KV past the
         # cached prefix is then freed, never published: the step that failed may not have written it.
         self.error: str | None = None
+        # The prompt's logprobs from params.logprob_start_len on, filled chunk by chunk of the
+        # prefill (`add_input_logprobs`) and sent with the first output chunk.
+        self.input_logprobs: list[TokenLogprob | None] | None = None
 
     # Derived lengths -----------------------------------------------------------------------
     @property
@@ -97,6 +107,34 @@ class Req:
         return self.remaining_prefill == 1
 
     @property
+    def input_logprob_from(self) -> int | None:
+        """The first position whose logits the sequence still needs for its prompt's logprobs
+        (the logits at p give token p + 1's: max(logprob_start_len - 1, 0)), or None when it
+        needs none: it asked for none, or its prompt is computed (a token was sampled)."""
+        start = self.params.logprob_start_len
+        if start < 0 or self.output_ids:
+            return None
+        return max(start - 1, 0)
+
+    def input_logprob_span(self, start: int, end: int) -> tuple[int, int]:
+        """The positions [lo, hi) among [start, end) whose logits give prompt logprobs that the
+        sequence still needs (empty: lo == hi)."""
+        first = self.input_logprob_from
+        if first is None:
+            return start, start
+        lo = max(start, first)
+        return lo, max(lo, min(end, len(self.origin_input_ids) - 1))
+
+    def add_input_logprobs(self, position: int, values: list[TokenLogprob]) -> None:
+        """The logprobs of prompt tokens position + 1, position + 2, ... (a recomputed span, after
+        a retraction, overwrites what it had)."""
+        start = self.params.logprob_start_len
+        if self.input_logprobs is None:
+            self.input_logprobs = [None] * (len(self.origin_input_ids) - start)
+        first = position + 1 - start
+        self.input_logprobs[first : first + len(values)] = values
+
+    @property
     def max_new_remaining(self) -> int:
         return max(self.params.max_new_tokens - len(self.output_ids), 0)
 
@@ -104,9 +142,9 @@ class Req:
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 
-    def finish(self, kind: str, matched: Any = None, message: str | None = None) -> None:
+    def finish(self, kind: FinishKind, matched: Any = None, message: str | None = None) -> None:
         if self.finish_reason is None:
-            self.finish_reason = {"type": kind, "matched": matched}
+            self.finish_reason = {"type": FinishKind(kind), "matched": matched}
             if message:
                 self.finish_reason["message"] = message
 

@@ -10,7 +10,12 @@ from typing import Any
 
 from radixserve.workers.engine.detokenizer import IncrementalDetokenizer
 from radixserve.workers.engine.request import Req
-from radixserve.workers.protocol import GenerateRequest, InvalidRequest, check_context_length
+from radixserve.workers.protocol import (
+    GenerateRequest,
+    InvalidRequest,
+    check_context_length,
+    check_logprob_start_len,
+)
 from radixserve.workers.sampling.sampler import Sampler
 
 
@@ -30,6 +35,7 @@ class RequestBuilder:
             raise InvalidRequest("the prompt is empty", "prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
             raise InvalidRequest(f"input_ids must be integers in [0, {self.vocab_size})", "input_ids")
+        check_logprob_start_len(p.logprob_start_len, len(ids))
         check_context_length(len(ids), p.max_new_tokens, self.context_length)
         self._check_fits_kv_pool(len(ids), p.max_new_tokens)
         prefixes = self._output_prefix(request)

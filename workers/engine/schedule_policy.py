@@ -16,8 +16,15 @@ DEDUP_PREFIX_TOKENS = 32
 
 
 def match_key(req: Req) -> list[int]:
-    """The cache lookup key: every token with KV to compute, minus the last (hits stop at len-1)."""
-    return req.fill_ids[:-1]
+    """The cache lookup key: every token with KV to compute, minus the last (hits stop at len-1).
+
+    A sequence that wants its prompt's logprobs matches no further than the first position whose
+    logits they need (`Req.input_logprob_from`): logits are computed only by a forward, so every
+    position from there on is recomputed, even where the tree holds its KV. Capping the key (not
+    the match afterwards) keeps admission order, the queue's load and the lock agreeing on it."""
+    key = req.fill_ids[:-1]
+    first = req.input_logprob_from
+    return key if first is None else key[:first]
 
 
 class SchedulePolicy:
@@ -77,13 +84,27 @@ class InBatchDedup:
         self.seen: set[tuple] = set()
 
     def should_defer(self, req: Req, cached_len: int) -> bool:
-        if not self.enabled:
+        """Whether `req` waits a round: another request of this round computes the same tokens
+        from the same position (admitted before it, or a chunked prefill that continues)."""
+        key = self._key(req, cached_len)
+        if key is None:
             return False
-        head = tuple(req.fill_ids[cached_len : cached_len + DEDUP_PREFIX_TOKENS])
-        if len(head) < DEDUP_PREFIX_TOKENS:
-            return False
-        key = (req.namespace, cached_len, head)
         if key in self.seen:
             return True
         self.seen.add(key)
         return False
+
+    def continuing(self, req: Req, start: int) -> None:
+        """`req` computes its next chunk from `start` this round: a waiting request whose match
+        ends there (at the chunks published so far) would compute that chunk a second time."""
+        key = self._key(req, start)
+        if key is not None:
+            self.seen.add(key)
+
+    def _key(self, req: Req, start: int) -> tuple | None:
+        if not self.enabled:
+            return None
+        head = tuple(req.fill_ids[start : start + DEDUP_PREFIX_TOKENS])
+        if len(head) < DEDUP_PREFIX_TOKENS:
+            return None
+        return (req.namespace, start, head)

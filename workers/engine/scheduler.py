@@ -1,17 +1,26 @@
 """Continuous batching over a paged KV pool with a prefix cache.
 
-The scheduler is pure bookkeeping over slot indices: it decides which requests run next, allocates
-their KV slots (evicting cached prefixes or retracting running requests when memory runs out) and
-returns a plan; the model runner turns the plan into tensors.
+The scheduler is pure bookkeeping over slot indices: it decides which requests run next, has the
+KV cache manager allocate their slots (evicting cached prefixes, or retracting running requests
+when memory runs out) and returns a plan; the model runner turns the plan into tensors.
+
+It alone owns its queues and each request's status on them: `waiting` (WAITING: new or
+retracted), `running` (RUNNING), `remote` (WAITING_FOR_REMOTE_KV: slots reserved for a prompt a
+prefill replica computes, then admitted straight into the batch by `start_arrived`) and `sending`
+(SENDING_KV: finished, its slots locked while a peer still reads them). A request outside all of
+them is WAITING_FOR_GRAMMAR (the engine's grammar queue) or FINISHED. The schedule skips what is
+not ready; the transfer itself is the KV connector's (engine/kv_handoff.py), never the scheduler's.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from radixserve.workers.engine.kv_cache_manager import KVCacheManager
 from radixserve.workers.engine.request import Req, ReqStatus
-from radixserve.workers.engine.schedule_policy import InBatchDedup, SchedulePolicy, match_key
+from radixserve.workers.engine.schedule_policy import InBatchDedup, SchedulePolicy
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.protocol import EngineLoad
 
@@ -25,43 +34,37 @@ CLIP_MAX_NEW_TOKENS = 4096
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+# Prompt logprobs take one vocab-sized float32 logits row per position (and as much again for their
+# log-softmax): a step computes at most this many, chunking the prefills that want more.
+MAX_INPUT_LOGPROB_ROWS = 256
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: Any, req_pool: Any, cache: Any):
         self.config = config
+        self.kv = KVCacheManager(pool, req_pool, cache)
         self.pool = pool
-        self.req_pool = req_pool
         self.cache = cache
         self.policy = SchedulePolicy(config.schedule_policy, cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.remote: dict[str, Req] = {}  # WAITING_FOR_REMOTE_KV, by sequence key
+        self.sending: dict[str, Req] = {}  # SENDING_KV, by sequence key
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
+        self.num_mixed_steps = 0  # prefill steps that carried the running decodes
         # Cached-prefix lengths of the waiting requests, by key, as the last admission round saw
         # them (empty when the policy does not match prefixes): `load` counts the tokens past them.
         self.match_lens: dict[str, int] = {}
 
     # Queue -----------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def take_aborted(self) -> list[Req]:
-        """Remove requests flagged `aborted` from the queue and the batch, releasing their KV."""
-        out = [r for r in self.waiting if r.aborted]
-        if out:
-            self.waiting = deque(r for r in self.waiting if not r.aborted)
-            for r in out:
-                r.status = ReqStatus.FINISHED
-        gone = [r for r in self.running if r.aborted]
-        if gone:
-            self.running = [r for r in self.running if not r.aborted]
-            for r in gone:
-                self.release(r)
-        return out + gone
+        """Sequences to schedule, or holding slots while their KV moves."""
+        return bool(self.waiting or self.running or self.remote or self.sending)
 
     def load(self) -> EngineLoad:
         """The load signals of the queue, the batch and the pool, in one pass over the queue.
@@ -69,7 +72,7 @@ class Scheduler:
         lens = self.match_lens
         queued = sum(max(r.seq_len - lens.get(r.key, 0), 0) for r in self.waiting)
         queued += sum(r.remaining_prefill for r in self.running if r.remaining_prefill > 1)
-        held = self.pool.size - self.pool.available() - self.cache.evictable_size()
+        held = self.kv.held()
         return EngineLoad(
             queued_prompt_tokens=queued,
             running_sequences=len(self.running),
@@ -79,9 +82,16 @@ class Scheduler:
 
     # Planning --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
+        """The next step: prefill work first (chunks in progress, then admissions), else a
+        decode step of every decode-ready sequence. With enable_mixed_chunk a prefill step also
+        carries those decodes, one token each out of its budget."""
+        decodes = [r for r in self.running if r.decode_ready] if self.config.enable_mixed_chunk else []
+        batch = self._schedule_prefill(reserved=len(decodes))
         if batch is None:
-            batch = self._schedule_decode()
+            return self._schedule_decode()
+        if decodes:
+            self._add_decodes(batch, decodes)
+            self.num_mixed_steps += 1
         return batch
 
     def _token_budget(self) -> int:
@@ -94,30 +104,34 @@ class Scheduler:
         )
 
     def _headroom(self) -> int:
-        return self.pool.available() + self.cache.evictable_size() - self._reserved_for_running()
+        return self.kv.room() - self._reserved_for_running()
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self._token_budget()
+    def _schedule_prefill(self, reserved: int = 0) -> ScheduledBatch | None:
+        """`reserved`: tokens of the budget left to the decodes that join the step."""
+        budget = max(self._token_budget() - reserved, 1)
         plan = ScheduledBatch(BatchKind.PREFILL, [], [], [], [])
+        dedup = InBatchDedup(self.config.schedule_policy == "lpm" and not self.config.disable_radix_cache)
         # Chunked prefills in progress continue first.
         for req in [r for r in self.running if r.remaining_prefill > 1]:
             if budget <= 0:
                 break
             if req.status is not ReqStatus.RUNNING:
                 continue  # retracted while making room for an earlier one
-            n = min(req.remaining_prefill, budget)
+            n = _cap_input_logprob_rows(req, min(req.remaining_prefill, budget), plan)
+            if n == 0:
+                continue
             if not self._make_room(req, n, plan):
                 break
+            dedup.continuing(req, req.num_computed - n)  # the slots are allocated: n from here
             self._plan(plan, req, n)
             budget -= n
         if self.waiting and budget > 0:
-            self._admit(plan, budget)
+            self._admit(plan, budget, dedup)
         return plan if plan.reqs else None
 
-    def _admit(self, plan: ScheduledBatch, budget: int) -> None:
+    def _admit(self, plan: ScheduledBatch, budget: int, dedup: InBatchDedup) -> None:
         ordered, match_lens = self.policy.order(list(self.waiting))
         self.match_lens = match_lens
-        dedup = InBatchDedup(self.config.schedule_policy == "lpm" and not self.config.disable_radix_cache)
         admitted: set[str] = set()
         chunk = self.config.chunk_size
         for req in ordered:
@@ -125,7 +139,7 @@ class Scheduler:
                 break
             if dedup.should_defer(req, match_lens.get(req.key, 0)):
                 continue
-            n = self._try_admit(req, budget, chunked=chunk is not None, first=not plan.reqs)
+            n = self._try_admit(req, budget, plan, chunked=chunk is not None)
             if n is None:
                 break  # out of memory or rows: later requests would not fit either
             self._plan(plan, req, n)
@@ -134,34 +148,30 @@ class Scheduler:
         if admitted:
             self.waiting = deque(r for r in self.waiting if r.key not in admitted)
 
-    def _try_admit(self, req: Req, budget: int, chunked: bool, first: bool) -> int | None:
+    def _try_admit(self, req: Req, budget: int, plan: ScheduledBatch, chunked: bool) -> int | None:
         """Lock the request's cached prefix and allocate its first chunk; None if it must wait."""
-        row = self.req_pool.alloc()
-        if row is None:
+        first = not plan.reqs
+        if not self.kv.open(req):
             return None
-        match = self.cache.match_prefix(match_key(req), req.namespace)
-        self.cache.lock(match.node)
-        need = req.seq_len - len(match.slots)
-        room = self.pool.available() + self.cache.evictable_size() - self.pool.page_size
+        need = req.seq_len - req.cache_len
+        room = self.kv.room() - self.kv.page_size
         n = min(need, budget, room) if chunked else need
         if n <= 0:
             n = None
         if not chunked and n > budget and not first:
             n = None  # an unchunked prompt over budget runs alone in a later round
+        if n is not None:
+            n = _cap_input_logprob_rows(req, n, plan) or None
         future = min(req.max_new_remaining, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
         if n is not None and need + future > self._headroom() and (self.running or not first):
             n = None
         if n is None:
-            self.cache.unlock(match.node)
-            self.req_pool.free(row)
+            self.kv.drop(req)
             return None
-        req.row, req.table_len = row, 0
-        req.kv_slots = list(match.slots)
-        req.cache_len, req.last_node = len(match.slots), match.node
         if req.cached_tokens is None:  # prompt tokens: a resumed sequence matches its output too
-            req.cached_tokens = min(len(match.slots), len(req.origin_input_ids))
-        if not self._extend(req, n):
-            self.release(req, keep_waiting=True)
+            req.cached_tokens = min(req.cache_len, len(req.origin_input_ids))
+        if not self.kv.allocate(req, n):
+            self.kv.release(req)
             return None
         req.status = ReqStatus.RUNNING
         self.running.append(req)
@@ -172,7 +182,12 @@ class Scheduler:
         if not reqs:
             return None
         plan = ScheduledBatch(BatchKind.DECODE, [], [], [], [])
-        # Newest requests are retracted first, so older ones keep their progress.
+        self._add_decodes(plan, reqs)
+        return plan if plan.reqs else None
+
+    def _add_decodes(self, plan: ScheduledBatch, reqs: list[Req]) -> None:
+        """One token for each decode-ready sequence; room for it retracts the newest first, so
+        older ones keep their progress (never a sequence the plan holds already)."""
         for req in sorted(reqs, key=lambda r: r.arrival):
             if req.status is not ReqStatus.RUNNING:
                 continue  # retracted to make room for an older request
@@ -186,31 +201,20 @@ class Scheduler:
                 req.aborted = True
                 req.error = "out of KV cache memory: the sequence does not fit in the KV pool even alone"
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
-        return plan if plan.reqs else None
 
     def _plan(self, plan: ScheduledBatch, req: Req, n: int) -> None:
         plan.reqs.append(req)
         plan.starts.append(req.num_computed - n)
         plan.extend_lens.append(n)
         plan.sample_mask.append(req.num_computed == req.seq_len)
+        lo, hi = req.input_logprob_span(req.num_computed - n, req.num_computed)
+        plan.input_logprob_rows += hi - lo
 
     # Memory ----------------------------------------------------------------------------------
-    def _extend(self, req: Req, n: int) -> bool:
-        """Allocate n more slots for req (evicting cached prefixes if needed)."""
-        last = req.kv_slots[-1] if req.kv_slots else None
-        slots = self.pool.alloc(n, last)
-        if slots is None:
-            self.cache.evict(n + self.pool.page_size - self.pool.available())
-            slots = self.pool.alloc(n, last)
-            if slots is None:
-                return False
-        req.kv_slots.extend(slots)
-        return True
-
     def _make_room(self, req: Req, n: int, plan: ScheduledBatch) -> bool:
         """Allocate n slots for req, retracting the newest unplanned requests if memory is short."""
         keep = {r.key for r in plan.reqs} | {req.key}
-        while not self._extend(req, n):
+        while not self.kv.allocate(req, n):
             if not self._retract_one(keep):
                 return False
         return True
@@ -225,7 +229,8 @@ class Scheduler:
     def _retract(self, victim: Req) -> None:
         """Preempt a running request: its KV goes to the cache (recomputed or re-matched later)."""
         self.running.remove(victim)
-        self.release(victim, keep_waiting=True)
+        self.kv.release(victim)
+        victim.status = ReqStatus.WAITING
         victim.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(victim)
@@ -236,33 +241,90 @@ class Scheduler:
         the prefix reuse it at once (not only when this request finishes)."""
         if batch.kind is not BatchKind.PREFILL:
             return
-        for req in batch.reqs:
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            if n == 1 and req.output_ids:
+                continue  # a decode in a mixed step: its sequence enters the tree when it ends
             if not req.aborted and req.status is ReqStatus.RUNNING and not req.kv_streaming:
                 self._cache_progress(req)
 
     def _cache_progress(self, req: Req) -> None:
-        key = req.fill_ids[: req.num_computed]
-        match = self.cache.cache_unfinished(key, req.kv_slots, req.last_node, req.namespace)
-        req.kv_slots = list(match.slots)
-        req.last_node = match.node
-        req.cache_len = len(match.slots) - (len(match.slots) % self.pool.page_size)
-        req.table_len = 0  # tree slots may have replaced ours: rewrite the table row
+        self.kv.publish(req, req.num_computed)
 
+    # Endings ---------------------------------------------------------------------------------
     def finish(self, req: Req) -> None:
-        """A sequence is done: hand its KV to the cache and leave the batch."""
+        """A sequence is done: hand its KV to the cache and leave whichever queue holds it."""
         if req.status is ReqStatus.RUNNING:
             self.running.remove(req)
-        self.release(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is ReqStatus.SENDING_KV:
+            del self.sending[req.key]
+        if req.status is ReqStatus.WAITING_FOR_REMOTE_KV:
+            del self.remote[req.key]
+            self.kv.drop(req)  # its KV never (fully) arrived: nothing of it is published
+        else:
+            self.kv.release(req)
         req.status = ReqStatus.FINISHED
 
-    def release(self, req: Req, keep_waiting: bool = False) -> None:
-        """Hand the sequence's KV to the cache (a failed one's only up to its cached prefix, the
-        rest is freed) and its table row back."""
-        if req.row is not None:
-            n = req.cache_len if req.error is not None else req.num_computed
-            self.cache.cache_finished(req.fill_ids[:n], req.kv_slots[:n], req.last_node, req.namespace)
-            self.pool.free(req.kv_slots[n:])
-            self.req_pool.free(req.row)
-        req.kv_slots, req.cache_len, req.last_node = [], 0, None
-        req.row, req.table_len = None, 0
-        req.status = ReqStatus.WAITING if keep_waiting else ReqStatus.FINISHED
+    def take_ended(self, keeps_slots: Callable[[Req], bool]) -> list[Req]:
+        """At a step boundary: the sequences of the queue and the batch that were aborted (or
+        failed) since the last one, released and returned; then those that finished meanwhile
+        (their final chunk may have gone out already) leave the batch, their KV to the cache,
+        except that one for which `keeps_slots(req)` says a peer still reads its slots waits in
+        `sending` (SENDING_KV) until `finish`. A stop string can finish a retracted sequence: it
+        leaves the queue."""
+        gone = [r for r in self.waiting if r.aborted]
+        if gone:
+            self.waiting = deque(r for r in self.waiting if not r.aborted)
+            for req in gone:
+                req.status = ReqStatus.FINISHED  # a waiting sequence holds no slots
+        for req in [r for r in self.running if r.aborted]:
+            self.finish(req)
+            gone.append(req)
+        for req in [r for r in self.running if r.finish_reason is not None]:
+            if keeps_slots(req):
+                self.running.remove(req)
+                req.status = ReqStatus.SENDING_KV
+                self.sending[req.key] = req
+            else:
+                self.finish(req)
+        if any(r.finish_reason is not None for r in self.waiting):
+            for req in [r for r in self.waiting if r.finish_reason is not None]:
+                req.status = ReqStatus.FINISHED
+            self.waiting = deque(r for r in self.waiting if r.finish_reason is None)
+        return gone
+
+    def clear(self) -> None:
+        """Release every sequence this scheduler holds (the engine failed them all)."""
+        for req in [*self.running, *self.waiting, *self.remote.values(), *self.sending.values()]:
+            self.finish(req)
+
+    # Remote KV (PD) --------------------------------------------------------------------------
+    def reserve_remote(self, req: Req) -> list[int] | str:
+        """Slots for the prompt past its cached prefix, whose KV a peer computes and sends: the
+        sequence waits in `remote` (WAITING_FOR_REMOTE_KV) until `start_arrived` or `finish`.
+        Returns the slots to receive into, or why there is no room (nothing held then)."""
+        slots = self.kv.reserve_external(req)
+        if isinstance(slots, list):
+            req.status = ReqStatus.WAITING_FOR_REMOTE_KV
+            self.remote[req.key] = req
+        return slots
+
+    def start_arrived(self, req: Req) -> None:
+        """The prompt's KV arrived (and its grammar is compiled): the tree takes the prompt, and
+        the sequence joins the running batch, ready to decode from the first token."""
+        del self.remote[req.key]
+        self.kv.publish(req, len(req.origin_input_ids))
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+
+def _cap_input_logprob_rows(req: Req, n: int, plan: ScheduledBatch) -> int:
+    """The most of the next n positions the sequence may compute in this step without its prompt
+    logprob rows taking the plan past MAX_INPUT_LOGPROB_ROWS (0: none, it waits for the next)."""
+    start = req.num_computed
+    lo, hi = req.input_logprob_span(start, start + n)
+    left = MAX_INPUT_LOGPROB_ROWS - plan.input_logprob_rows
+    if hi - lo <= left:
+        return n
+    return max(lo - start + left, 0)

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+from radixserve.workers.batch_kind import BatchKind
+from radixserve.workers.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -66,7 +67,7 @@ class DecodeGraphs:
 
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
-            mode=ForwardMode.DECODE,
+            kind=BatchKind.DECODE,
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
             out_slots=self.out_slots[:bs],
@@ -107,7 +108,7 @@ class DecodeGraphs:
         """Whether `batch` can replay a graph (a decode step of at most max_bs sequences, no
         per-layer callback, rows within the captured width)."""
         return (
-            batch.mode is ForwardMode.DECODE
+            batch.kind is BatchKind.DECODE
             and 0 < batch.batch_size <= self.max_bs
             and batch.layer_done is None
             and batch.kv_indices.shape[1] <= self.max_context

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.workers.constrained.grammar import apply_bitmask
+from radixserve.workers.executor.input_logprobs import InputLogprobRows
 from radixserve.workers.executor.model_runner import ModelRunner
 from radixserve.workers.executor.plan import ScheduledBatch
 from radixserve.workers.models.forward_batch import ForwardBatch
@@ -57,9 +58,12 @@ class ForwardJob:
     # are sampled as placeholders and their tokens must be dropped.
     failed: list[tuple[Req, str, BaseException]] = field(default_factory=list)
     launched_at: float = 0.0
+    input_rows: InputLogprobRows | None = None  # the extra logits rows for prompt logprobs
     # Results, written by `run`
     tokens: list[int] = field(default_factory=list)
     logprobs: list | None = None
+    # Per sequence that wanted prompt logprobs: (sequence, first position, its logprobs)
+    input_logprobs: list[tuple[Req, int, list]] | None = None
     forward_s: float = 0.0
     sample_s: float = 0.0
     ended_at: float = 0.0
@@ -113,15 +117,17 @@ class ForwardWorker:
             except Exception as exc:
                 failed.append((r, "prepare", exc))
                 rows.append(_PLACEHOLDER)
+        input_rows = InputLogprobRows.from_plan(plan)
         return ForwardJob(
             plan,
-            self.runner.prepare(plan),
+            self.runner.prepare(plan, input_rows.token_rows if input_rows is not None else None),
             [i for i, _ in picked],
             reqs,
             self._prepare_sampling(rows, reqs, failed) if reqs else None,
             bitmask if constrained else None,
             constrained,
             failed,
+            input_rows=input_rows,
         )
 
     def _prepare_sampling(self, rows: list[SamplerRow], reqs: list[Req], failed: list) -> SamplingBatch:
@@ -149,6 +155,10 @@ class ForwardWorker:
         for r in job.plan.reqs:
             self.check_fault("forward", r)
         logits = self.runner.forward(job.batch)
+        if job.input_rows is not None:
+            b = job.batch.batch_size
+            job.input_logprobs = job.input_rows.compute(logits[b:])
+            logits = logits[:b]
         t1 = time.perf_counter()
         if job.rows:
             if len(job.rows) != logits.shape[0]:

@@ -9,7 +9,7 @@ import torch
 
 from radixserve.workers.executor.cuda_graphs import DecodeGraphs
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
-from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+from radixserve.workers.models.forward_batch import ForwardBatch
 
 
 class ModelRunner:
@@ -34,7 +34,9 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def prepare(self, plan: ScheduledBatch) -> ForwardBatch:
+    def prepare(self, plan: ScheduledBatch, extra_rows: list[int] | None = None) -> ForwardBatch:
+        """The plan's tensors. The logits rows are each sequence's last new token, then
+        `extra_rows` (token rows whose logits are also wanted: prompt logprobs)."""
         ids: list[int] = []
         positions: list[int] = []
         out_slots: list[int] = []
@@ -69,22 +71,26 @@ class ModelRunner:
         extend_lens = list(plan.extend_lens)
         kv_indices = table[self._tensor(rows), : max(seq_lens)]
         extend = self._tensor(extend_lens)
+        logits_indices = extend.cumsum(0) - 1
+        if extra_rows:
+            logits_indices = torch.cat([logits_indices, self._tensor(extra_rows)])
         return ForwardBatch(
-            mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+            kind=plan.kind,
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
             out_slots=self._tensor(out_slots),
             seq_lens=self._tensor(seq_lens),
             extend_lens=extend,
             kv_indices=kv_indices,
-            logits_indices=extend.cumsum(0) - 1,
+            logits_indices=logits_indices,
             seq_lens_list=seq_lens,
             extend_lens_list=extend_lens,
         )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] (float32) at the last new token of each sequence."""
+        """Logits [len(logits_indices), vocab] (float32): at the last new token of each sequence,
+        then at the batch's extra rows."""
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         return self.model(batch, self.pool)

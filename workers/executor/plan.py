@@ -5,17 +5,15 @@ The scheduler (engine/scheduler.py) returns it; only the executor turns it into 
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from radixserve.workers.batch_kind import BatchKind
 
 if TYPE_CHECKING:
     from radixserve.workers.engine.request import Req
 
-
-class BatchKind(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+__all__ = ["BatchKind", "ScheduledBatch"]
 
 
 @dataclass
@@ -29,6 +27,8 @@ class ScheduledBatch:
     # Requests whose last computed position this step is the last of their sequence: a token is
     # sampled for them. The others are mid-way through a chunked prefill.
     sample_mask: list[bool] = field(default_factory=list)
+    # Positions whose logits are also returned for prompt logprobs (Req.input_logprob_span).
+    input_logprob_rows: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -35,8 +35,8 @@ from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
 from radixserve.workers.executor.cpu_runtime import tune_malloc
 from radixserve.workers.executor.tp_kv import FollowerTransfers, RankKVSpec
+from radixserve.workers.executor.tp_wire import broadcast_batch
 from radixserve.workers.mem_cache.kv_pool import KVPool
-from radixserve.workers.models.forward_batch import broadcast_batch
 from radixserve.workers.models.loader import load_model
 
 logger = logging.getLogger("radixserve.engine")

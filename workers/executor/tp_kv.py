@@ -17,9 +17,9 @@ ranks (fewer KV heads than ranks), and either side larger. The decode replica pl
 prefill degree it was configured with (`sender_tp_size` in the ticket); a prefill replica of
 another degree refuses the ticket up front, with both degrees named.
 
-Rank 0 keeps all the bookkeeping (engine/kv_handoff.py) and gives the followers orders. An order
-rides the batch broadcast (`broadcast_control`), so it is ordered with the forwards, and it
-returns once every follower has acted on it:
+Rank 0 keeps all the bookkeeping (engine/kv_handoff.py) and gives the followers orders (typed,
+executor/tp_orders.py). An order rides the batch broadcast (`broadcast_control`), so it is ordered
+with the forwards, and it returns once every follower has acted on it:
 
   expect   decode: register receives into the slots just reserved (before the ticket leaves)
   send     prefill: start sends with the next batch, each layer queued as that forward writes
@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 import torch.distributed as dist
 
@@ -68,12 +68,22 @@ from radixserve.workers.disaggregation import (
     model_fingerprint,
 )
 from radixserve.workers.distributed.parallel import HeadSplit
+from radixserve.workers.executor.tp_orders import (
+    RECV,
+    SEND,
+    CancelOrder,
+    CountOrder,
+    ExpectItem,
+    ExpectOrder,
+    Order,
+    SendItem,
+    SendOrder,
+)
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.models.loader import iter_checkpoint_edges
+from radixserve.workers.protocol import Role
 
 logger = logging.getLogger("radixserve.engine")
-
-RECV, SEND = "recv", "send"
 
 
 def endpoint_key(rank: int) -> str:
@@ -259,6 +269,11 @@ class RecvGroup(_Group):
         self.ticket = dataclasses.replace(handles[0].ticket, transfer_id=transfer_id)
         super().__init__(handles)
 
+    @property
+    def began(self) -> bool:
+        """Whether a sender has begun any of the parts."""
+        return any(h.began for h in self.handles if isinstance(h, RecvHandle))
+
 
 class SendGroup(_Group):
     """A prefill rank's parts of one request's transfer (none, where the receiving ranks take
@@ -290,7 +305,7 @@ class SendGroup(_Group):
 class RankKVSpec:
     """What a follower of a prefill or decode replica needs for its own transfer engine."""
 
-    role: str  # prefill | decode
+    role: Role  # PREFILL | DECODE
     kv_transfer: str
     timeout_s: float
     served_model_name: str | None  # None: the model's own name
@@ -310,7 +325,7 @@ class FollowerTransfers:
         self.peer_tp = peer_tp or layout.tp_size
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], Any] = {}  # (kind, transfer id) -> its handle
-        self._next: list[dict[str, Any]] = []  # send orders for the next batch
+        self._next: list[SendItem] = []  # sends ordered for the next batch
         self._batch: list[tuple[Any, bool]] = []  # sends of the batch in flight: (handle, layerwise)
 
     @classmethod
@@ -322,40 +337,35 @@ class FollowerTransfers:
         engine = create_kv_transfer_engine(
             spec.kv_transfer,
             pool,
-            f"{spec.role}-rank{rank}-{uuid.uuid4().hex[:8]}",
+            f"{spec.role.value}-rank{rank}-{uuid.uuid4().hex[:8]}",
             spec.served_model_name or loaded.name,
             fingerprint_of(loaded),
             KVTransferConfig(transfer_timeout=spec.timeout_s),
             layout.kv_heads,
         )
-        if spec.role == "decode":
+        if spec.role is Role.DECODE:
             store.set(endpoint_key(rank), json.dumps(engine.endpoint().to_dict()))
         return cls(layout, engine, store, len(pool.k_buffers), spec.peer_tp_size)
 
     # Orders (the follower's main thread, between batches) ----------------------------------------
-    def on_control(self, order: dict[str, Any]) -> int:
-        """Act on one order; its answer (summed over the followers): the open transfers, for
-        "count", else 0."""
-        op = order["op"]
-        if op == "expect":
-            for item in order["items"]:
-                handle = self.layout.expect(
-                    self.engine,
-                    self.peer_tp,
-                    item["id"],
-                    item["slots"],
-                    int(item["held"]),
-                    float(item["timeout"]),
-                )
-                self._track(RECV, item["id"], handle.future, handle)
-        elif op == "send":
-            self._next.extend(order["items"])
-        elif op == "cancel":
-            self._cancel(order["kind"], order["ids"], order["reason"])
-        elif op == "count":
-            return self.open_count()
-        else:
-            raise ValueError(f"unknown order {op!r}")
+    def on_control(self, order: Order) -> int:
+        """Act on one order; its answer (summed over the followers): the open transfers, for a
+        CountOrder, else 0."""
+        match order:
+            case ExpectOrder(items=items):
+                for item in items:
+                    handle = self.layout.expect(
+                        self.engine, self.peer_tp, item.transfer_id, item.slots, item.held, item.timeout_s
+                    )
+                    self._track(RECV, item.transfer_id, handle.future, handle)
+            case SendOrder(items=items):
+                self._next.extend(items)
+            case CancelOrder(kind=kind, ids=ids, reason=reason):
+                self._cancel(kind, ids, reason)
+            case CountOrder():
+                return self.open_count()
+            case _:
+                assert_never(order)
         return 0
 
     def _track(self, kind: str, transfer_id: str, future: Future, handle: Any) -> None:
@@ -377,7 +387,7 @@ class FollowerTransfers:
     def _cancel(self, kind: str, ids: Sequence[str], reason: str) -> None:
         if kind == SEND:  # not started yet (no batch ran since the order): never will be
             dropped = set(ids)
-            self._next = [o for o in self._next if o["id"] not in dropped]
+            self._next = [item for item in self._next if item.transfer_id not in dropped]
         for transfer_id in ids:
             with self._lock:
                 handle = self._open.pop((kind, transfer_id), None)
@@ -390,13 +400,12 @@ class FollowerTransfers:
     def begin_batch(self) -> Callable[[int], None] | None:
         """Before a forward: start the sends ordered for it. The callback (the batch's
         `layer_done`) queues each layer of the layerwise ones as the forward writes it."""
-        orders, self._next = self._next, []
+        items, self._next = self._next, []
         streamed: list[tuple[Any, int]] = []
-        for order in orders:
-            transfer_id = order["id"]
+        for item in items:
+            transfer_id = item.transfer_id
             try:
-                ticket = KVTicket.from_dict(order["ticket"])
-                handle = self.layout.send(self.engine, ticket, order["slots"], float(order["timeout"]))
+                handle = self.layout.send(self.engine, item.ticket, item.slots, item.timeout_s)
             except Exception as exc:
                 logger.exception("rank %d: starting transfer %r failed", self.rank, transfer_id)
                 failed: Future = Future()
@@ -404,7 +413,7 @@ class FollowerTransfers:
                 self._track(SEND, transfer_id, failed, None)
                 continue
             self._track(SEND, transfer_id, handle.future, handle)
-            first, layerwise = int(order["first"]), bool(order["layerwise"])
+            first, layerwise = item.first, item.layerwise
             try:
                 if layerwise and first > 0:
                     handle.send_layers(0, self.num_layers, 0, first)
@@ -443,7 +452,7 @@ class RankTransfers:
     def __init__(
         self,
         world_size: int,
-        order: Callable[[dict[str, Any]], tuple[int, int]],
+        order: Callable[[Order], tuple[int, int]],
         store: dist.Store,
         endpoints: tuple[KVEndpoint, ...] = (),
     ):
@@ -453,37 +462,42 @@ class RankTransfers:
 
     @classmethod
     def for_decode(
-        cls, world_size: int, order: Callable[[dict[str, Any]], tuple[int, int]], store: dist.Store
+        cls, world_size: int, order: Callable[[Order], tuple[int, int]], store: dist.Store
     ) -> RankTransfers:
         endpoints = tuple(
             KVEndpoint.from_dict(json.loads(store.get(endpoint_key(r)))) for r in range(1, world_size)
         )
         return cls(world_size, order, store, endpoints)
 
-    def _give(self, order: dict[str, Any]) -> int:
+    def _give(self, order: Order) -> int:
         failed, answer = self._order(order)
         if failed:
-            raise KVTransferError(f"{failed} tensor-parallel rank(s) failed to {order['op']} a KV transfer")
+            raise KVTransferError(f"{failed} tensor-parallel rank(s) failed to {order.op} a KV transfer")
         return answer
 
     def open_count(self) -> int:
         """Transfers the followers have not settled (or settled unreported), summed: 0 at idle."""
-        return self._give({"op": "count"})
+        return self._give(CountOrder())
 
-    def expect(self, items: list[dict[str, Any]]) -> None:
-        """Each item: {"id", "slots", "held", "timeout"} as rank 0 expects the same transfer."""
+    def expect(self, items: Sequence[ExpectItem]) -> None:
+        """The followers register these receives, as rank 0 expects the same transfers."""
         if items:
-            self._give({"op": "expect", "items": items})
+            self._give(ExpectOrder(tuple(items)))
 
-    def send(self, items: list[dict[str, Any]]) -> None:
-        """Each item: {"id", "ticket", "slots", "first", "layerwise", "timeout"}, started by the
-        followers with the next batch."""
+    def send(self, items: Sequence[SendItem]) -> None:
+        """The followers start these sends with the next batch."""
         if items:
-            self._give({"op": "send", "items": items})
+            self._give(SendOrder(tuple(items)))
 
-    def cancel(self, kind: str, ids: list[str], reason: str) -> None:
+    def cancel(self, kind: str, ids: Sequence[str], reason: str) -> None:
         if ids:
-            self._give({"op": "cancel", "kind": kind, "ids": ids, "reason": reason})
+            self._give(CancelOrder(kind, tuple(ids), reason))
+
+    def unsettled(self, kind: str, transfer_id: str) -> list[int]:
+        """The followers that have not reported the transfer settled yet."""
+        return [
+            r for r in range(1, self.world_size) if not self.store.check([report_key(kind, transfer_id, r)])
+        ]
 
     def settled(self, kind: str, transfer_id: str) -> str | None:
         """None while a follower has not settled the transfer; once all have: "" if every rank's

@@ -36,13 +36,11 @@ from radixserve.workers.distributed.launch import LocalLauncher, RankHandle, Ran
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
 from radixserve.workers.executor.tp_follower import POOL_KEY, FollowerSpec, follow, rank_key
 from radixserve.workers.executor.tp_kv import RankKVSpec, RankTransfers
-from radixserve.workers.models.forward_batch import (
-    ForwardBatch,
-    broadcast_batch,
-    broadcast_control,
-    broadcast_keepalive,
-)
+from radixserve.workers.executor.tp_orders import Order
+from radixserve.workers.executor.tp_wire import broadcast_batch, broadcast_control, broadcast_keepalive
+from radixserve.workers.models.forward_batch import ForwardBatch
 from radixserve.workers.models.loader import read_config, resolve_dtype, resolve_model_dir
+from radixserve.workers.protocol import Role
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -202,7 +200,7 @@ class TPLeader:
                 self.failure = self.explain(exc)
         return self.failure
 
-    def control(self, order: dict[str, Any]) -> tuple[int, int]:
+    def control(self, order: Order) -> tuple[int, int]:
         """Between steps: an order every follower acts on before the next batch (KV transfers);
         how many failed it, and the sum of the others' answers. Raises RankFailed if the group is
         gone."""
@@ -215,13 +213,13 @@ class TPLeader:
         self._last_sent = time.monotonic()
         return answer
 
-    def rank_transfers(self, role: str) -> RankTransfers | None:
+    def rank_transfers(self, role: Role) -> RankTransfers | None:
         """Rank 0's handle on the followers' KV transfers (None at tp_size 1). Once the group
         is ready: a decode follower's endpoint is published by then."""
         if self.world_size == 1:
             return None
         assert self.store is not None, "a group of several ranks has a store"
-        if role == "decode":
+        if role is Role.DECODE:
             return RankTransfers.for_decode(self.world_size, self.control, self.store)
         return RankTransfers(self.world_size, self.control, self.store)
 

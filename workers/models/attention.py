@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from radixserve.kernels import cpu_ops
 from radixserve.kernels.varlen_attention import extend_attention_varlen
-from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+from radixserve.workers.batch_kind import BatchKind
+from radixserve.workers.models.forward_batch import ForwardBatch
 
 
 class AttentionBackend:
@@ -96,13 +97,23 @@ class CpuBackend(AttentionBackend):
     key blocks with causal block skipping; about 2x torch SDPA at 128-512 tokens.
     Without the extension: decode is one index_select per buffer and two batched matmuls, extend is
     SDPA per sequence (is_causal without a prefix, a bottom-right causal mask with one).
+
+    batch_invariant (deterministic engines): a query's softmax runs over its keys in blocks of 32
+    from position 0 whatever the batch, and decode runs extend's arithmetic, so a token's output
+    is bitwise the same in any batch, chunk or phase: computed in a prefill chunk of any size
+    beside a cached prefix, or decoded. Needs the extension (ValueError without it).
     """
 
     name = "cpu"
 
+    def __init__(self, batch_invariant: bool = False) -> None:
+        if batch_invariant and cpu_ops.native_ops() is None:
+            raise ValueError("deterministic mode needs the CPU extension's attention kernels (none built)")
+        self.batch_invariant = batch_invariant
+
     def prepare(self, batch: ForwardBatch) -> None:
         kv_indices, seq_lens = batch.kv_indices.contiguous(), batch.seq_lens.contiguous()
-        if batch.mode == ForwardMode.DECODE:
+        if batch.kind is BatchKind.DECODE:
             batch.attn_metadata = (kv_indices, seq_lens)
         else:
             cu = torch.tensor(batch.cu_extend, dtype=torch.int64, device=kv_indices.device)
@@ -113,9 +124,11 @@ class CpuBackend(AttentionBackend):
         if batch.attn_metadata is None:
             self.prepare(batch)
         k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
-        if batch.mode == ForwardMode.DECODE:
+        if batch.kind is BatchKind.DECODE:
             kv_indices, seq_lens = batch.attn_metadata
-            out = cpu_ops.decode_attention(q.to(k_buf.dtype), k_buf, v_buf, kv_indices, seq_lens)
+            out = cpu_ops.decode_attention(
+                q.to(k_buf.dtype), k_buf, v_buf, kv_indices, seq_lens, fixed_order=self.batch_invariant
+            )
             return out.to(q.dtype)
         meta = batch.attn_metadata
         out = cpu_ops.extend_attention_native(
@@ -123,6 +136,8 @@ class CpuBackend(AttentionBackend):
         )
         if out is not None:
             return out.to(q.dtype)
+        if self.batch_invariant:
+            raise RuntimeError("batch-invariant extend attention needs float32 / bfloat16 CPU tensors")
         if meta.seqs is None:
             meta.seqs = _extend_seqs(batch)
         return _extend_sdpa(q, k, v, k_buf, v_buf, meta.seqs)
@@ -166,7 +181,7 @@ class TorchBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch, kv_pool):
         store_kv(k, v, layer_id, batch, kv_pool)
         k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
-        if batch.mode == ForwardMode.DECODE:
+        if batch.kind is BatchKind.DECODE:
             out = cpu_ops.decode_attention_torch(
                 q.to(k_buf.dtype), k_buf, v_buf, batch.kv_indices, batch.seq_lens
             )
@@ -189,7 +204,7 @@ class TritonBackend(AttentionBackend):
         self.ops = triton_ops
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if batch.mode == ForwardMode.DECODE:
+        if batch.kind is BatchKind.DECODE:
             batch.attn_metadata = None
         else:
             cu = torch.tensor(batch.cu_extend, dtype=torch.int64, device=batch.kv_indices.device)
@@ -198,7 +213,7 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch, kv_pool):
         store_kv(k, v, layer_id, batch, kv_pool)
         k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
-        if batch.mode == ForwardMode.DECODE:
+        if batch.kind is BatchKind.DECODE:
             out = self.ops.decode_attention(q.to(k_buf.dtype), k_buf, v_buf, batch.kv_indices, batch.seq_lens)
             return out.to(q.dtype)
         if batch.attn_metadata is None:
@@ -242,7 +257,18 @@ def backend_name(name: str, device: str | torch.device, head_dim: int) -> str:
 
 
 def get_backend(
-    name: str = "auto", device: str | torch.device = "cpu", head_dim: int = 64
+    name: str = "auto", device: str | torch.device = "cpu", head_dim: int = 64, batch_invariant: bool = False
 ) -> AttentionBackend:
-    """The attention backend `name` (see backend_name) for a model of `head_dim` on `device`."""
-    return _BACKENDS[backend_name(name, device, head_dim)]()
+    """The attention backend `name` (see backend_name) for a model of `head_dim` on `device`.
+
+    batch_invariant: the cpu backend's batch-invariant variant (CpuBackend), the only backend that
+    has one; raises ValueError where `name` means another backend."""
+    resolved = backend_name(name, device, head_dim)
+    if not batch_invariant:
+        return _BACKENDS[resolved]()
+    if resolved != "cpu":
+        raise ValueError(
+            f"deterministic mode runs the cpu attention backend on CPU only, not {resolved!r} on "
+            f"{torch.device(device).type}"
+        )
+    return CpuBackend(batch_invariant=True)

@@ -31,6 +31,12 @@ class Linear(nn.Module):
     kernel takes every size, so the weight is held once. float32 rounding differs between the two
     paths only in summation order.
 
+    `pack_(None, fixed_order=True)` binds the kernel's fixed-order variant instead: every output
+    element sums over K in one order whatever the row count, so a row's result is bitwise the same
+    alone or beside any other rows (the default variant's order follows its row tile). On AMX CPUs
+    that variant runs on tiles, at torch's speed for prefill sizes. Deterministic engines pack
+    every projection that way (`pack_batch_invariant`).
+
     rows / cols: the checkpoint rows (output features) / columns (input features) this layer holds;
     None = all. With pad_rows, out_features may exceed the rows held; the rest load as zeros.
     """
@@ -61,7 +67,9 @@ class Linear(nn.Module):
         self.packed_weight: Any = None  # nn.Parameter once packed
         self.bias_f32: torch.Tensor | None = None
         self.packed_below = 0  # rows < this run packed
+        self.fixed_order = False
         self._kernel: Any = None  # the extension's packed_linear, bound once packed
+        self.quantized: nn.Module | None = None  # computes the forward in place of W once quantized
 
     @property
     def packed(self) -> bool:
@@ -72,10 +80,14 @@ class Linear(nn.Module):
         return rows < self.packed_below
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x)
         if x.dim() == 2 and x.shape[0] < self.packed_below:
             return self._kernel(x, self.packed_weight, self.out_features, self.bias_f32)  # checks x itself
         if self.weight is None:  # packed copy only: any shape, any row count
-            return cpu_ops.packed_linear(x, self.packed_weight, self.out_features, self.bias_f32)
+            return cpu_ops.packed_linear(
+                x, self.packed_weight, self.out_features, self.bias_f32, self.fixed_order
+            )
         return F.linear(x, self.weight, self.bias)
 
     def load_checkpoint(self, kind: str, tensor: torch.Tensor, part: int | None = None) -> None:
@@ -87,8 +99,8 @@ class Linear(nn.Module):
         self._copy_into(kind, tensor, 0, self.out_features)
 
     def _copy_into(self, kind: str, tensor: torch.Tensor, lo: int, hi: int) -> None:
-        if self.packed:
-            raise RuntimeError("weights are loaded before the layer is packed")
+        if self.packed or self.quantized is not None:
+            raise RuntimeError("weights are loaded before the layer is packed or quantized")
         target = getattr(self, kind)
         if target is None:
             raise ValueError(f"checkpoint has a {kind} that this layer does not expect")
@@ -101,14 +113,19 @@ class Linear(nn.Module):
             target[:n].copy_(tensor)
             target[n:].zero_()
 
-    def pack_(self, crossover: int | None = None) -> bool:
+    def pack_(self, crossover: int | None = None, fixed_order: bool = False) -> bool:
         """Add the packed copy if the kernel runs here (False, unchanged, otherwise).
 
         crossover: rows from which torch's matmul is faster (both copies kept), or None for the
-        packed kernel at every size (the plain weight is released).
+        packed kernel at every size (the plain weight is released). fixed_order: the kernel's
+        row-count-independent variant (only with crossover None: torch's matmul has no such order).
         """
         if self.packed:
             raise RuntimeError("layer is already packed")
+        if self.quantized is not None:
+            return False  # the quantized weight has kernels of its own
+        if fixed_order and crossover is not None:
+            raise ValueError("a fixed-order layer runs the packed kernel at every size (crossover None)")
         ops = cpu_ops.native_ops()
         if (
             ops is None
@@ -118,11 +135,21 @@ class Linear(nn.Module):
             return False
         self.packed_weight = nn.Parameter(cpu_ops.pack_linear_weight(self.weight.data), requires_grad=False)
         self.bias_f32 = None if self.bias is None else self.bias.float()
-        self._kernel = ops.packed_linear
+        self.fixed_order = fixed_order
+        self._kernel = ops.packed_linear_fixed if fixed_order else ops.packed_linear
         self.packed_below = sys.maxsize if crossover is None else crossover
         if crossover is None:
             self.weight = None  # type: ignore[assignment]  # the packed copy serves every size
         return True
+
+    def quantize_(self, quantized: nn.Module) -> None:
+        """Compute through `quantized` (built from this layer's loaded weight and bias) from now
+        on; the plain weight is released."""
+        if self.packed:
+            raise RuntimeError("a packed layer is not quantized")
+        self.quantized = quantized
+        self.weight = None  # type: ignore[assignment]
+        self.bias = None
 
 
 class FusedLinear(Linear):
@@ -149,6 +176,21 @@ class FusedLinear(Linear):
             raise ValueError("a fused layer loads its checkpoint parts one by one")
         lo, hi = self.parts[part]
         self._copy_into(kind, narrow(tensor, 0, (lo, hi)), self.offsets[part], self.offsets[part + 1])
+
+
+def pack_batch_invariant(model: nn.Module) -> None:
+    """Pack every projection of `model` (after loading) with the fixed-order kernel at every row
+    count, so that no projection's output row depends on the other rows of its batch. Raises
+    ValueError where a projection cannot run that kernel (it needs bfloat16 weights with an even
+    in_features on a CPU with AVX512-BF16, and the CPU extension)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and not module.pack_(None, fixed_order=True):
+            weight = module.packed_weight if module.weight is None else module.weight
+            raise ValueError(
+                f"deterministic mode needs the fixed-order bf16 GEMM for every projection, and {name} "
+                f"({weight.dtype} on {weight.device}, in_features {module.in_features}) cannot run it: "
+                "it runs bfloat16 weights (dtype auto or bfloat16) on a CPU with AVX512-BF16"
+            )
 
 
 def narrow(tensor: torch.Tensor, dim: int, rng: Range) -> torch.Tensor:

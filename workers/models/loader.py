@@ -28,7 +28,8 @@ from radixserve.workers.distributed.parallel import Parallel
 from radixserve.workers.models.attention import get_backend
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.gguf_convert import ensure_converted
-from radixserve.workers.models.linear import Linear
+from radixserve.workers.models.int8_weight import check_quantization, quantize_int8_
+from radixserve.workers.models.linear import Linear, pack_batch_invariant
 from radixserve.workers.models.llama import LlamaForCausalLM
 from radixserve.workers.models.mixtral import MixtralForCausalLM
 from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
@@ -196,10 +197,11 @@ def build_model(
     attention_backend: str = "auto",
     device: str | torch.device = "cpu",
     parallel: Parallel | None = None,
+    deterministic: bool = False,
 ) -> LlamaForCausalLM:
     """An uninitialized model of the config's architecture (weights still to be loaded); with
-    `parallel`, this rank's shard of it."""
-    backend = get_backend(attention_backend, device, config.head_dim)
+    `parallel`, this rank's shard of it; `deterministic`: its batch-invariant attention."""
+    backend = get_backend(attention_backend, device, config.head_dim, batch_invariant=deterministic)
     if torch.device(device).type == "cpu":
         cpu_ops.native_ops()  # build (first time on a machine, ~1 min) now, not in the first forward
     with torch.device("meta"):
@@ -245,20 +247,34 @@ def load_model(
     attention_backend: str = "auto",
     parallel: Parallel | None = None,
     device: str | torch.device = "cpu",
+    deterministic: bool = False,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load a local model onto `device`. `model_path` None = the embedded SmolLM2-135M-Instruct
     default.
 
     With `parallel`, this rank's shard (every rank of the group calls this with the same path):
     the model holds only its slices, read from the full checkpoint tensors.
+
+    `deterministic`: batch-invariant kernels (attention.CpuBackend, linear.pack_batch_invariant);
+    raises ValueError where they cannot run.
+
+    `quantization`: "int8" quantizes every projection at load (workers/models/int8_weight.py)
+    from whatever the checkpoint holds; "none" keeps the model dtype.
     """
+    check_quantization(quantization, deterministic)
     torch_dtype = resolve_dtype(dtype, device)
     model_dir, name = resolve_model_dir(model_path)
     config = read_config(model_dir, torch_dtype)
     tokenizer = load_tokenizer(model_dir)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config = dataclasses.replace(config, eos_token_ids=(int(tokenizer.eos_token_id),))
-    model = build_model(config, attention_backend, device, parallel=parallel)
+    model = build_model(config, attention_backend, device, parallel=parallel, deterministic=deterministic)
     model.load_weights(iter_checkpoint(model_dir))
-    model.pack_weights(packed_gemm_crossover(model))
+    if deterministic:
+        pack_batch_invariant(model)
+    elif quantization == "int8":
+        quantize_int8_(model)
+    else:
+        model.pack_weights(packed_gemm_crossover(model))
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)

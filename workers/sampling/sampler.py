@@ -8,13 +8,34 @@ Grammar masks are applied to the logits before they get here (constrained/gramma
 tokens, HF style) -> frequency / presence penalties (output tokens, OpenAI style) ->
 min_new_tokens blocking of EOS and stop_token_ids. Greedy rows take the argmax of that. Sampled
 rows then divide by the temperature, keep top_k, then top_p of what is left, then min_p, and draw
-by inverse CDF with one uniform number per row; a seeded row draws it from its own generator, so
-its tokens do not depend on the other rows in the batch.
+by inverse CDF with one uniform number per row. A seeded row's number is `seeded_uniform(seed,
+position)`, a pure function of its seed and the output position being drawn (a counter-based
+generator, like Philox): its tokens do not depend on the other rows in the batch, nor on which
+replica drew its earlier tokens (PD's prefill side draws position 0, the decode side goes on from
+position 1) or whether they were recomputed (a retracted or resumed sequence draws each position's
+number again, the same).
 
 Whatever the logits hold, every id returned is in [0, vocab_size) and no NaN reaches a choice: a
 NaN logit counts as -inf, +inf as the largest finite value, and a row left with no candidate at
 all (every token masked, or broken logits) falls back to the argmax of the raw logits, then to
 the first EOS token.
+
+What a seed promises. Sequence i of a request with `seed` carries a generator seeded seed + i
+(made once per sequence, workers/engine/request_builder.py) whose seed, all 64 bits of it, keys
+its draws, so they depend on that seed and the output position only: not on its row, its
+siblings or the other requests; and given the same logits row this sampler returns the same
+token in any batch (every op here works row by row). Whether the logits row is the same is the
+model's affair:
+- default mode: the kernels round differently with the batch's shape (the packed GEMM's
+  accumulation order follows the row count; a prompt computed whole, in chunks or after a cache
+  hit, or decoded beside others, takes other shapes). The same request alone on an engine in the
+  same state gives the same tokens: cold each time after a flush, or warm each time once its
+  prompt is cached. Beside other requests, as choice 0 of n > 1, after a cache hit or with another
+  chunk size the logits agree within bf16 rounding only, so greedy output agrees as far as the
+  dtype allows and seeded sampling usually, but not always.
+- deterministic mode (EngineConfig.deterministic): batch-invariant kernels; the same seeded
+  request gives bitwise the same tokens whatever else runs, and choice 0 of n = 3 is the n = 1
+  request (choice i is the request seeded seed + i).
 """
 
 from __future__ import annotations
@@ -35,6 +56,20 @@ _F32_MAX = torch.finfo(torch.float32).max
 # OpenAI-compatible servers do).
 MIN_LOGPROB = -9999.0
 _Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, cols, values)
+_MASK64 = 2**64 - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that scatters every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The number in [0, 1) that a sequence seeded `seed` draws for output position `position`
+    (24 bits: a float32's precision). Any seed torch.Generator.manual_seed takes; all 64 bits count."""
+    return (_mix64(_mix64((seed + 0x9E3779B97F4A7C15) & _MASK64) ^ position) >> 40) / float(1 << 24)
 
 
 @dataclass
@@ -44,7 +79,8 @@ class SamplerRow:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]  # tokens generated so far by this sequence
-    # Created once per sequence from params.seed (Sampler.make_generator); None = the sampler's own.
+    # Created once per sequence from params.seed (Sampler.make_generator); its initial seed keys
+    # the row's draws (seeded_uniform at position len(output_ids)). None = the sampler's own.
     generator: torch.Generator | None = None
 
 
@@ -81,7 +117,8 @@ class SamplingBatch:
     sort_candidates: int = 0  # how many best tokens to try before a full sort (>= every finite k)
     log_min_p: torch.Tensor | None = None  # [n, 1], -inf when disabled
     unseeded_rows: torch.Tensor | None = None  # local rows drawing from the sampler's generator
-    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (local row, generator)
+    seeded_rows: torch.Tensor | None = None  # local rows with a seed ...
+    seeded_uniforms: torch.Tensor | None = None  # ... and their numbers, [len(seeded_rows), 1]
     # Logprobs
     logprob_rows: torch.Tensor | None = None
     logprob_rows_list: list[int] = field(default_factory=list)
@@ -103,7 +140,8 @@ class Sampler:
         self.generator = self.make_generator(seed)
 
     def make_generator(self, seed: int | None) -> torch.Generator:
-        """The generator a seeded sequence should carry in its SamplerRow (created once per sequence)."""
+        """The generator a seeded sequence should carry in its SamplerRow (created once per
+        sequence); its draws are `seeded_uniform(seed, position)`, the generator's own stream unused."""
         g = torch.Generator(device=self.device)
         if seed is None:
             g.seed()
@@ -207,9 +245,17 @@ class Sampler:
             batch.log_min_p = self._tensor(
                 [[math.log(p.min_p) if p.min_p > 0 else _NEG_INF] for p in params], torch.float32
             )
-        gens = [rows[i].generator for i in sampled]
-        batch.seeded = [(j, g) for j, g in enumerate(gens) if g is not None]
-        unseeded = [j for j, g in enumerate(gens) if g is None]
+        seeded, uniforms, unseeded = [], [], []
+        for j, i in enumerate(sampled):
+            g = rows[i].generator
+            if g is None:
+                unseeded.append(j)
+            else:
+                seeded.append(j)
+                uniforms.append([seeded_uniform(g.initial_seed(), len(rows[i].output_ids))])
+        if seeded:
+            batch.seeded_rows = self._tensor(seeded, torch.long)
+            batch.seeded_uniforms = self._tensor(uniforms, torch.float32)
         if unseeded:
             batch.unseeded_rows = self._tensor(unseeded, torch.long)
 
@@ -297,7 +343,7 @@ class Sampler:
         """One uniform number per row picks the token where the cumulative probability passes it.
 
         Cheaper on CPU than a race over V random numbers per row (the RNG, not the arithmetic, is the
-        cost), and just as row-independent: a seeded row consumes one draw of its own per step."""
+        cost), and just as row-independent: a seeded row's number is its own (seeded_uniform)."""
         # A filtered token adds exactly 0, so its cumulative value equals its predecessor's and
         # no target can land on it. (CPU cumsum accumulates float32 in double: no drift over 49k.)
         cum = probs.cumsum(-1)
@@ -308,17 +354,19 @@ class Sampler:
         return torch.searchsorted(cum, target, right=True)[:, 0]
 
     def _uniform(self, n: int, batch: SamplingBatch) -> torch.Tensor:
+        if batch.unseeded_rows is None and batch.seeded_uniforms is not None:
+            return batch.seeded_uniforms  # every row seeded, in order
         u = torch.empty(n, 1, dtype=torch.float32, device=self.device)
         if batch.unseeded_rows is not None:
-            if not batch.seeded:
+            if batch.seeded_rows is None:
                 u.uniform_(generator=self.generator)
             else:
                 drawn = torch.empty(batch.unseeded_rows.shape[0], 1, device=self.device).uniform_(
                     generator=self.generator
                 )
                 u.index_copy_(0, batch.unseeded_rows, drawn)
-        for j, g in batch.seeded:
-            u[j].uniform_(generator=g)
+        if batch.seeded_rows is not None and batch.seeded_uniforms is not None:
+            u.index_copy_(0, batch.seeded_rows, batch.seeded_uniforms)
         return u
 
     def _logprobs(
