@@ -30,13 +30,13 @@ test-fast: setup
 
 $(LINT_ROOT)/radixserve:
 	mkdir -p $(LINT_ROOT)/radixserve
-	for d in cluster router workers kernels; do ln -sfn ../../../$$d $(LINT_ROOT)/radixserve/$$d; done
+	for d in cluster router workers kernels lang; do ln -sfn ../../../$$d $(LINT_ROOT)/radixserve/$$d; done
 
 lint: setup $(LINT_ROOT)/radixserve
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	cd $(LINT_ROOT) && MYPYPATH=. ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
-		-p radixserve.cluster -p radixserve.router -p radixserve.workers -p radixserve.kernels
+		-p radixserve.cluster -p radixserve.router -p radixserve.workers -p radixserve.kernels -p radixserve.lang
 	PYTHONPATH=$(LINT_ROOT) $(VENV)/bin/lint-imports pyproject.toml
 
 bench: setup

@@ -24,20 +24,30 @@ from radixserve.cluster.autoscaling import deployment_autoscaling
 from radixserve.cluster.config import TP_PLACEMENTS, ServerArgs
 from radixserve.router.frontend.ingress import IngressDeployment
 from radixserve.router.routing.request_router import REQUEST_ROUTER_CLASS
+from radixserve.workers.protocol import Role
 from radixserve.workers.replica import EngineReplica
 
-ROLE_DEPLOYMENTS = {"unified": "EngineReplica", "prefill": "PrefillReplica", "decode": "DecodeReplica"}
+ROLE_DEPLOYMENTS = {
+    Role.UNIFIED: "EngineReplica",
+    Role.PREFILL: "PrefillReplica",
+    Role.DECODE: "DecodeReplica",
+}
 
 
-def replica_options(args: ServerArgs, role: str = "unified") -> dict[str, Any]:
+def replica_options(args: ServerArgs, role: Role = Role.UNIFIED) -> dict[str, Any]:
     """Serve options of the engine deployment of `role`. The routing policy plugs in here, as
     this deployment's Serve request router: every handle to it (one per ingress replica) builds
     its own PolicyRequestRouter with these policy settings."""
     d = args.deployment
-    count, cpus, policy = {
-        "unified": (d.dp, d.replica_num_cpus, args.policy_kwargs),
-        "prefill": (d.prefill_replicas, d.prefill_num_cpus, args.prefill_policy_kwargs),
-        "decode": (d.decode_replicas, d.decode_num_cpus, args.decode_policy_kwargs),
+    count, cpus, policy, custom = {
+        Role.UNIFIED: (d.dp, d.replica_num_cpus, args.policy_kwargs, None),
+        Role.PREFILL: (
+            d.prefill_replicas,
+            d.prefill_num_cpus,
+            args.prefill_policy_kwargs,
+            d.prefill_resources,
+        ),
+        Role.DECODE: (d.decode_replicas, d.decode_num_cpus, args.decode_policy_kwargs, d.decode_resources),
     }[role]
     # Serve takes the class as an import path (its field validator imports it); its annotation
     # names only the deserialized form.
@@ -51,12 +61,20 @@ def replica_options(args: ServerArgs, role: str = "unified") -> dict[str, Any]:
         most = sum(_most_replicas(args, r) for r in _roles(args))
         cpus = replica_cpu_share(most, max(args.tp_of(r) for r in _roles(args)))
     gpu = {"GPU": 1} if args.engine.device == "cuda" else {}  # resolved by with_engine_device
-    rank = {"CPU": cpus, **gpu}  # one rank's resources; rank 0 is the replica itself
+    # A pool's custom resources (its node type's) go with every rank, so that a group spread
+    # over nodes (tp_placement pack) stays on the pool's nodes too.
+    custom = dict(custom or {})
+    rank = {"CPU": cpus, **gpu, **custom}  # one rank's resources; rank 0 is the replica itself
+    actor: dict[str, Any] = {"num_cpus": cpus, **({"num_gpus": 1} if gpu else {})}
+    if d.replica_memory_gb is not None:
+        actor["memory"] = replica_memory_bytes(args)
+    if custom:
+        actor["resources"] = custom
     return {
         **deployment_autoscaling(role, args, count),
         "name": ROLE_DEPLOYMENTS[role],
         "max_ongoing_requests": d.max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": cpus, **({"num_gpus": 1} if gpu else {})},
+        "ray_actor_options": actor,
         "request_router_config": router,
         **tp_placement(args, rank, args.tp_of(role)),
     }
@@ -102,16 +120,16 @@ def with_engine_device(args: ServerArgs) -> ServerArgs:
     return dataclasses.replace(args, engine=dataclasses.replace(args.engine, device=device))
 
 
-def _roles(args: ServerArgs) -> tuple[str, ...]:
-    return ("prefill", "decode") if args.deployment.pd else ("unified",)
+def _roles(args: ServerArgs) -> tuple[Role, ...]:
+    return (Role.PREFILL, Role.DECODE) if args.deployment.pd else (Role.UNIFIED,)
 
 
-def _most_replicas(args: ServerArgs, role: str) -> int:
+def _most_replicas(args: ServerArgs, role: Role) -> int:
     d = args.deployment
     bounds = args.autoscale.bounds(role)
     if bounds:
         return bounds[1]
-    return {"unified": d.dp, "prefill": d.prefill_replicas, "decode": d.decode_replicas}[role]
+    return {Role.UNIFIED: d.dp, Role.PREFILL: d.prefill_replicas, Role.DECODE: d.decode_replicas}[role]
 
 
 def replica_cpu_share(dp: int, tp: int = 1) -> float:
@@ -131,11 +149,17 @@ def replica_cpu_share(dp: int, tp: int = 1) -> float:
     return float(int(share)) if share >= 1 else round(share, 2)
 
 
-def engine_deployment(args: ServerArgs, role: str) -> Any:
+def replica_memory_bytes(args: ServerArgs) -> int | None:
+    gb = args.deployment.replica_memory_gb
+    return None if gb is None else int(gb * 2**30)
+
+
+def engine_deployment(args: ServerArgs, role: Role) -> Any:
     """The bound engine deployment of `role`."""
     config = args.role_engine(role)
+    options = replica_options(args, role)
     # @serve.deployment turns the class into a Deployment, which mypy cannot see through.
-    return EngineReplica.options(**replica_options(args, role)).bind(config)  # type: ignore[attr-defined]
+    return EngineReplica.options(**options).bind(config, replica_memory_bytes(args))  # type: ignore[attr-defined]
 
 
 def build(args: ServerArgs) -> Application:
@@ -146,10 +170,10 @@ def build(args: ServerArgs) -> Application:
         ray_actor_options={"num_cpus": args.deployment.ingress_num_cpus},
     )
     if args.deployment.pd:
-        prefill = engine_deployment(args, "prefill")
-        decode = engine_deployment(args, "decode")
+        prefill = engine_deployment(args, Role.PREFILL)
+        decode = engine_deployment(args, Role.DECODE)
         return ingress.bind(prefill, args.ingress_config(), decode)
-    return ingress.bind(engine_deployment(args, "unified"), args.ingress_config())
+    return ingress.bind(engine_deployment(args, Role.UNIFIED), args.ingress_config())
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -3,8 +3,12 @@ ongoing requests (to Serve a 10-token question and a 10,000-token document are o
 and so are a 5-token answer and a 4,000-token one).
 
 A prefill replica is loaded by the prompt tokens waiting to be prefilled, a decode replica by the
-KV cache its sequences hold and by how many sequences it runs, a unified replica by both. Each
-replica reports these as Serve custom metrics (`EngineLoad`, from
+KV cache its sequences hold and by how many sequences it runs, a unified replica by both. Where
+latency targets are set, the latency its requests see counts too: a prefill replica's time to
+first token, a decode replica's inter-token latency (each replica's own, over its last 30 s:
+workers/engine/token_latency.py), each as `latency / target` replicas' worth of load, so a pool
+whose mean latency is twice its target asks for twice its replicas. Each replica reports these
+as Serve custom metrics (`EngineLoad`, from
 `EngineReplica.record_autoscaling_stats`); Serve averages each one per replica over
 `look_back_period_s` and calls the deployment's policy every control-loop tick with an
 `AutoscalingContext`. `LoadPolicy` turns that context into the plain inputs of `decide`, which
@@ -43,14 +47,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from radixserve.workers.protocol import EngineLoad
+from radixserve.workers.protocol import ROLES, EngineLoad, Role
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
 
     from radixserve.cluster.config import ServerArgs
 
-ROLES = ("unified", "prefill", "decode")
 POLICY_PATH = "radixserve.cluster.autoscaling:LoadPolicy"
 DOWNSCALE_MARGIN = 0.8
 DRAIN_POLL_S = 0.5  # how often a draining replica counts its requests in flight
@@ -68,24 +71,38 @@ class Targets:
     running_sequences: float
     upscale_delay_s: float
     downscale_delay_s: float
+    # Latency targets (seconds, per replica); None: latency is no signal.
+    ttft_s: float | None = None
+    itl_s: float | None = None
 
     def __post_init__(self) -> None:
-        if min(self.queued_prompt_tokens, self.kv_usage, self.running_sequences) <= 0:
+        latency = [t for t in (self.ttft_s, self.itl_s) if t is not None]
+        if min(self.queued_prompt_tokens, self.kv_usage, self.running_sequences, *latency) <= 0:
             raise ValueError("autoscaling targets must be > 0")
         if min(self.upscale_delay_s, self.downscale_delay_s) < 0:
             raise ValueError("autoscaling delays must be >= 0")
 
 
 def prefill(loads: Sequence[EngineLoad], t: Targets) -> float:
-    """Replicas needed for the prompt tokens waiting to be prefilled."""
-    return sum(x.queued_prompt_tokens for x in loads) / t.queued_prompt_tokens
+    """Replicas needed for the prompt tokens waiting to be prefilled, or (with a target) for the
+    time to first token, whichever needs more."""
+    queued = sum(x.queued_prompt_tokens for x in loads) / t.queued_prompt_tokens
+    return max(queued, _latency(loads, "ttft_s", t.ttft_s))
 
 
 def decode(loads: Sequence[EngineLoad], t: Targets) -> float:
-    """Replicas needed for the KV held and the sequences running, whichever needs more."""
+    """Replicas needed for the KV held, the sequences running, or (with a target) the
+    inter-token latency, whichever needs more."""
     kv = sum(x.kv_usage for x in loads) / t.kv_usage
     running = sum(x.running_sequences for x in loads) / t.running_sequences
-    return max(kv, running)
+    return max(kv, running, _latency(loads, "itl_s", t.itl_s))
+
+
+def _latency(loads: Sequence[EngineLoad], field: str, target: float | None) -> float:
+    """Each replica's latency in targets, summed: n replicas at the target are n replicas' worth."""
+    if target is None:
+        return 0.0
+    return sum(getattr(x, field) for x in loads) / target
 
 
 def unified(loads: Sequence[EngineLoad], t: Targets) -> float:
@@ -93,10 +110,10 @@ def unified(loads: Sequence[EngineLoad], t: Targets) -> float:
     return max(prefill(loads, t), decode(loads, t))
 
 
-DEMAND_OF: dict[str, Callable[[Sequence[EngineLoad], Targets], float]] = {
-    "unified": unified,
-    "prefill": prefill,
-    "decode": decode,
+DEMAND_OF: dict[Role, Callable[[Sequence[EngineLoad], Targets], float]] = {
+    Role.UNIFIED: unified,
+    Role.PREFILL: prefill,
+    Role.DECODE: decode,
 }
 
 
@@ -155,11 +172,9 @@ class LoadPolicy:
     A class rather than a function because Serve hands a class its `policy_kwargs` (the role and
     the targets) once; the state between ticks lives in Serve's policy_state, not here."""
 
-    def __init__(self, role: str, **targets: float):
-        if role not in DEMAND_OF:
-            raise ValueError(f"autoscaling role must be one of {ROLES}, got {role!r}")
-        self.role = role
-        self.demand = DEMAND_OF[role]
+    def __init__(self, role: str, **targets: Any):
+        self.role = _role(role)  # Serve hands the policy_kwargs over as plain data
+        self.demand = DEMAND_OF[self.role]
         self.targets = Targets(**targets)
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
@@ -175,7 +190,7 @@ class LoadPolicy:
         return decide(demand, replicas, self.targets, now, ctx.policy_state)
 
 
-def policy_targets(args: ServerArgs) -> dict[str, float]:
+def policy_targets(args: ServerArgs) -> dict[str, float | None]:
     """The `Targets` fields from the server arguments, defaults resolved against the engine's
     limits: a replica one full prefill batch behind, or running 3/4 of its sequence cap, is busy."""
     a, e = args.autoscale, args.engine
@@ -187,18 +202,19 @@ def policy_targets(args: ServerArgs) -> dict[str, float]:
         ),
         "upscale_delay_s": a.autoscale_upscale_delay_s,
         "downscale_delay_s": a.autoscale_downscale_delay_s,
+        "ttft_s": a.autoscale_target_ttft_s,
+        "itl_s": a.autoscale_target_itl_s,
     }
 
 
-def deployment_autoscaling(role: str, args: ServerArgs, num_replicas: int) -> dict[str, Any]:
-    """Serve deployment options for the replica count of an engine deployment in `role`
-    ("unified", "prefill" or "decode"): `num_replicas` fixed, or, when the role's max replicas
+def deployment_autoscaling(role: Role, args: ServerArgs, num_replicas: int) -> dict[str, Any]:
+    """Serve deployment options for the replica count of an engine deployment in `role`:
+    `num_replicas` fixed, or, when the role's max replicas
     exceed its min, an `autoscaling_config` with `LoadPolicy` between them, starting from
     `num_replicas` (brought within the bounds). Either way, a replica being removed drains: Serve
     stops routing to it and waits up to `drain_timeout_s` for its requests in flight to finish
     before it stops the engine (which would fail what is left)."""
-    if role not in ROLES:
-        raise ValueError(f"autoscaling role must be one of {ROLES}, got {role!r}")
+    role = _role(role)
     a = args.autoscale
     drain = {"graceful_shutdown_timeout_s": a.drain_timeout_s, "graceful_shutdown_wait_loop_s": DRAIN_POLL_S}
     bounds = a.bounds(role)
@@ -213,6 +229,15 @@ def deployment_autoscaling(role: str, args: ServerArgs, num_replicas: int) -> di
         "metrics_interval_s": a.autoscale_metrics_interval_s,
         "upscale_delay_s": 0.0,
         "downscale_delay_s": 0.0,
-        "policy": {"policy_function": POLICY_PATH, "policy_kwargs": {"role": role, **policy_targets(args)}},
+        "policy": {
+            "policy_function": POLICY_PATH,
+            "policy_kwargs": {"role": role.value, **policy_targets(args)},
+        },
     }
     return {"autoscaling_config": config, **drain}
+
+
+def _role(role: str) -> Role:
+    if role not in ROLES:
+        raise ValueError(f"autoscaling role must be one of {ROLES}, got {role!r}")
+    return Role(role)

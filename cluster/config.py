@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from radixserve.router.frontend.config import LOG_LEVELS, HTTPConfig, IngressConfig
+from radixserve.router.frontend.reasoning import REASONING_PARSERS
+from radixserve.router.frontend.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
 from radixserve.workers.engine.config import ATTENTION_BACKENDS, DEVICES, SCHEDULE_POLICIES, EngineConfig
-from radixserve.workers.protocol import KV_TRANSFER_CHOICES, PD_ON_FAILURE
+from radixserve.workers.protocol import KV_TRANSFER_CHOICES, PD_ON_FAILURE, Role
 
 # Engine fields the application builder sets per deployment; no user sets them.
 INTERNAL_FIELDS = frozenset({"role", "kv_peer_tp_size"})
@@ -36,6 +39,10 @@ class DeploymentConfig:
 
     dp: int = 1  # engine replicas
     replica_num_cpus: float | None = None  # Ray CPUs per engine replica (per rank); None: a node's share
+    # Memory per engine replica: Ray's `memory` resource (a node takes only the replicas it has
+    # room for) and, on CPU, the cap on the replica's growth past start-up that the kernel
+    # enforces (executor/memory_limit.py). None: no reservation, and a cap of half the node's RAM.
+    replica_memory_gb: float | None = None
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.0  # the ingress is I/O bound; it must not starve the engines
     # Serve's cap on one replica's requests in flight, ingress and engine replicas alike. The
@@ -57,10 +64,18 @@ class DeploymentConfig:
     # which ranks move which heads).
     prefill_tp: int | None = None
     decode_tp: int | None = None
+    # Ray custom resources each replica of a pool asks for (ray_actor_options.resources, and each
+    # rank's bundle): a pool lands only on the nodes that advertise them (deploy/cluster-aws.yaml's
+    # `prefill_pool` / `decode_pool` node types). None: any node with the CPUs and GPUs.
+    prefill_resources: dict[str, float] | None = None
+    decode_resources: dict[str, float] | None = None
     pd_on_failure: str = "recompute"
     # PD: a prompt of at most this many tokens is prefilled on its decode replica instead (0: every
     # prompt goes through the prefill pool).
     pd_local_prefill_tokens: int = 0
+    # PD: a request that finds no decode replica with KV room for it waits up to this long for one
+    # (another replica is tried, then room is waited for) before it is refused with 503.
+    pd_reserve_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -77,20 +92,46 @@ class DeploymentConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("prefill_resources", "decode_resources"):
+            _check_resources(name, getattr(self, name))
         if self.pd_on_failure not in PD_ON_FAILURE:
             raise ValueError(f"pd_on_failure must be one of {PD_ON_FAILURE}, got {self.pd_on_failure!r}")
         if self.pd_local_prefill_tokens < 0:
             raise ValueError("pd_local_prefill_tokens must be >= 0")
+        if not 0 <= self.pd_reserve_wait_s <= MAX_RESERVE_WAIT_S:
+            raise ValueError(f"pd_reserve_wait_s must be in [0, {MAX_RESERVE_WAIT_S:g}]")
         if self.ingress_replicas < 1:
             raise ValueError("ingress_replicas must be >= 1")
         if self.max_ongoing_requests < 1:
             raise ValueError("max_ongoing_requests must be >= 1")
         if (self.replica_num_cpus is not None and self.replica_num_cpus < 0) or self.ingress_num_cpus < 0:
             raise ValueError("num_cpus must be >= 0")
+        if self.replica_memory_gb is not None and not self.replica_memory_gb > 0:
+            raise ValueError("replica_memory_gb must be > 0")
         if self.ray_metrics_export_port is not None and not 0 < self.ray_metrics_export_port < 65536:
             raise ValueError(
                 f"ray_metrics_export_port must be in 1..65535, got {self.ray_metrics_export_port}"
             )
+
+
+# A client waits this long at most for KV room before its 503 (it holds an HTTP request open).
+MAX_RESERVE_WAIT_S = 60.0
+
+# Resources Ray schedules on its own terms: a replica asks for them through num_cpus / num_gpus
+# (or the device), never as custom resources.
+BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+def _check_resources(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"{name} must be a non-empty mapping of resource name to amount")
+    for key, amount in value.items():
+        if not isinstance(key, str) or not key or key in BUILTIN_RESOURCES:
+            raise ValueError(f"{name}: {key!r} is not a custom resource name (CPUs and GPUs are set apart)")
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+            raise ValueError(f"{name}[{key!r}] must be a number > 0, got {amount!r}")
 
 
 _POLICY = PolicyConfig()  # the policy knobs' defaults live there
@@ -139,6 +180,10 @@ class AutoscaleConfig:
     autoscale_target_queued_tokens: int | None = None  # per replica; None: max_prefill_tokens
     autoscale_target_kv_usage: float = 0.8
     autoscale_target_running: int | None = None  # per replica; None: 3/4 of max_running_requests
+    # Latency targets in seconds (prefill and unified: time to first token; decode and unified:
+    # inter-token latency); None: latency is no signal.
+    autoscale_target_ttft_s: float | None = None
+    autoscale_target_itl_s: float | None = None
     autoscale_upscale_delay_s: float = 30.0
     autoscale_downscale_delay_s: float = 600.0
     autoscale_look_back_s: float = 30.0  # Serve averages each replica's metrics over this window
@@ -158,6 +203,10 @@ class AutoscaleConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("autoscale_target_ttft_s", "autoscale_target_itl_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0")
         if not 0 < self.autoscale_target_kv_usage <= 1:
             raise ValueError("autoscale_target_kv_usage must be in (0, 1]")
         if min(self.autoscale_upscale_delay_s, self.autoscale_downscale_delay_s, self.drain_timeout_s) < 0:
@@ -165,9 +214,10 @@ class AutoscaleConfig:
         if not 0 < self.autoscale_metrics_interval_s < self.autoscale_look_back_s:
             raise ValueError("autoscale_metrics_interval_s must be > 0 and < autoscale_look_back_s")
 
-    def bounds(self, role: str) -> tuple[int, int] | None:
-        """(min, max) replicas of `role` ("unified", "prefill", "decode"); None: not autoscaled."""
-        prefix = "" if role == "unified" else f"{role}_"
+    def bounds(self, role: Role) -> tuple[int, int] | None:
+        """(min, max) replicas of `role`; None: not autoscaled."""
+        role = Role(role)
+        prefix = "" if role is Role.UNIFIED else f"{role.value}_"
         lo, hi = getattr(self, f"{prefix}min_replicas"), getattr(self, f"{prefix}max_replicas")
         return (lo, hi) if hi is not None and hi > lo else None
 
@@ -191,20 +241,24 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         if self.deployment.pd:  # the engine's own rules for the roles the app builder will give it
-            for role in ("prefill", "decode"):
+            for role in (Role.PREFILL, Role.DECODE):
                 self.role_engine(role)
         elif self.deployment.prefill_tp or self.deployment.decode_tp:
             raise ValueError("--prefill-tp and --decode-tp are PD settings (with --pd); use --tp")
+        elif self.deployment.prefill_resources or self.deployment.decode_resources:
+            raise ValueError("--prefill-resources and --decode-resources are PD settings (with --pd)")
 
-    def tp_of(self, role: str) -> int:
+    def tp_of(self, role: Role) -> int:
         """The tensor-parallel degree of `role`'s replicas."""
+        role = Role(role)
         d = self.deployment
-        per_role = {"prefill": d.prefill_tp, "decode": d.decode_tp}.get(role)
+        per_role = {Role.PREFILL: d.prefill_tp, Role.DECODE: d.decode_tp}.get(role)
         return per_role or self.engine.tp_size
 
-    def role_engine(self, role: str) -> EngineConfig:
+    def role_engine(self, role: Role) -> EngineConfig:
         """The engine config of `role`'s replicas: its degree, and for decode the prefill pool's."""
-        peer = self.tp_of("prefill") if role == "decode" else 0
+        role = Role(role)
+        peer = self.tp_of(Role.PREFILL) if role is Role.DECODE else 0
         return dataclasses.replace(self.engine, role=role, tp_size=self.tp_of(role), kv_peer_tp_size=peer)
 
     @classmethod
@@ -247,12 +301,12 @@ class ServerArgs:
 
     def policy_kwargs(self) -> dict[str, Any]:
         """The routing policy's config: cache_aware is the default once there is a choice."""
-        choice = self.deployment.dp > 1 or self.autoscale.bounds("unified") is not None
+        choice = self.deployment.dp > 1 or self.autoscale.bounds(Role.UNIFIED) is not None
         return self.router.policy_kwargs("cache_aware" if choice else "round_robin")
 
     def prefill_policy_kwargs(self) -> dict[str, Any]:
         """PD: the prefill pool is routed like a unified one (cache-aware once there is a choice)."""
-        choice = self.deployment.prefill_replicas > 1 or self.autoscale.bounds("prefill") is not None
+        choice = self.deployment.prefill_replicas > 1 or self.autoscale.bounds(Role.PREFILL) is not None
         return self.router.policy_kwargs("cache_aware" if choice else "round_robin")
 
     def decode_policy_kwargs(self) -> dict[str, Any]:
@@ -270,6 +324,8 @@ class ServerArgs:
             decode_policy=PolicyConfig(**self.decode_policy_kwargs()),
             pd_on_failure=self.deployment.pd_on_failure,
             pd_local_prefill_tokens=self.deployment.pd_local_prefill_tokens,
+            pd_reserve_wait_s=self.deployment.pd_reserve_wait_s,
+            pd_lease_renew_s=self.engine.kv_transfer_timeout_s / 3,
         )
 
     @property
@@ -283,6 +339,7 @@ HELP = {
     "model_path": "HF directory, .gguf file, or unset for the embedded SmolLM2-135M-Instruct",
     "served_model_name": "the model name clients send (default: derived from the model path)",
     "dtype": "auto | bfloat16 | float32 | float16",
+    "quantization": "weights quantized at load: none | int8 (weight-only, per-output-channel scales; --tp 1)",
     "device": "where the engines run: auto (cuda where the cluster has GPUs, else cpu) | cpu | cuda "
     "(one GPU per replica, per rank with --tp)",
     "attention_backend": "auto (cpu on CPU, triton on CUDA) | cpu (fused C++) | triton (paged Triton "
@@ -296,8 +353,12 @@ HELP = {
     "max_queued_requests": "waiting-queue limit per replica, in sequences (a request with n=8 "
     "counts 8); beyond it requests get 503",
     "chunked_prefill_size": "prefill chunk size in tokens (-1 disables chunking)",
+    "enable_mixed_chunk": "a prefill step also carries every running decode (decodes never wait "
+    "behind a prefill; load_tests/bench_serving.py --mixed measures it)",
     "schedule_policy": " | ".join(SCHEDULE_POLICIES),
     "disable_radix_cache": "turn prefix caching off",
+    "deterministic": "batch-invariant kernels: a seeded request gives bitwise the same tokens whatever "
+    "else runs (CPU, bf16, --tp 1; load_tests/bench_deterministic.py measures the throughput)",
     "radix_eviction_policy": "lru (least recently used leaf first) | lfu (least used, then least "
     "recently used: one-off suffixes go before shared prefixes)",
     "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health and /ready "
@@ -310,6 +371,10 @@ HELP = {
     "max_header_bytes": "largest request line + headers; beyond it 431",
     "header_timeout_s": "a connection that has not sent a request's full headers in this time is closed",
     "body_timeout_s": "a request body that pauses longer than this is dropped (408)",
+    "step_watchdog_s": "a piece of the engine thread's work still running after this long is logged "
+    "with the request(s) it serves",
+    "body_total_timeout_s": "a request body not received whole this long after its headers is dropped "
+    "(408), however steadily it trickles in",
     "keep_alive_timeout_s": "idle keep-alive connections are closed after this",
     "tokenizer_threads": "threads that tokenize prompts and render chat templates (off the event loop)",
     "dp": "number of engine replicas (data parallel)",
@@ -322,6 +387,9 @@ HELP = {
     "running + queued limits)",
     "replica_num_cpus": "Ray CPUs per engine replica (per rank with --tp), also its torch threads "
     "(default: the smallest node's CPUs split among the replicas' ranks it must hold)",
+    "replica_memory_gb": "memory per engine replica: reserved from Ray, and on CPU the most the "
+    "replica may grow past its start-up size before its allocations fail (default: no reservation, "
+    "half the node's RAM)",
     "min_replicas": "autoscaling: fewest engine replicas (autoscaling is on when --max-replicas exceeds "
     "it; --dp is then the initial count)",
     "max_replicas": "autoscaling: most engine replicas",
@@ -335,6 +403,10 @@ HELP = {
     "(decode and unified replicas)",
     "autoscale_target_running": "autoscaling: running sequences per replica (decode and unified "
     "replicas; default: 3/4 of --max-running-requests)",
+    "autoscale_target_ttft_s": "autoscaling: mean time to first token per replica, in seconds, that "
+    "adds prefill (and unified) replicas when exceeded (default: latency is no signal)",
+    "autoscale_target_itl_s": "autoscaling: mean inter-token latency per replica, in seconds, that "
+    "adds decode (and unified) replicas when exceeded (default: latency is no signal)",
     "autoscale_upscale_delay_s": "autoscaling: how long the load must stay above the targets before "
     "replicas are added",
     "autoscale_downscale_delay_s": "autoscaling: how long the load must stay below the targets (with a "
@@ -344,6 +416,13 @@ HELP = {
     "drain_timeout_s": "a replica being removed, or the server on SIGTERM / Ctrl-C, stops taking "
     "requests and finishes those in flight within this time",
     "log_level": " | ".join(LOG_LEVELS),
+    "reasoning_parser": "how the model writes its thinking: chat answers carry it apart as "
+    "reasoning_content, and structured output constrains only the answer after it ("
+    + " | ".join(REASONING_PARSERS)
+    + ")",
+    "tool_call_parser": "how the model writes tool calls, parsed into the chat API's tool_calls ("
+    + " | ".join(TOOL_CALL_PARSERS)
+    + "; qwen is hermes; default: inferred from the chat template where unambiguous)",
     "ray_address": "join this Ray cluster instead of starting a local one (also RAY_ADDRESS)",
     "ray_metrics_export_port": "port of Ray's Prometheus metrics (Serve's replicas, queues, autoscaling) "
     "when this command starts Ray (on 127.0.0.1; default: a free port)",
@@ -365,20 +444,29 @@ HELP = {
     "prefill_tp": "PD: tensor-parallel ranks per prefill replica (default: --tp); may differ from "
     "the decode pool's: each decode rank takes each of its KV heads from one prefill rank",
     "decode_tp": "PD: tensor-parallel ranks per decode replica (default: --tp)",
+    "prefill_resources": "PD: Ray custom resources per prefill replica (and rank), as JSON: "
+    "'{\"prefill_pool\": 0.01}' places the pool on the nodes that advertise them",
+    "decode_resources": "PD: Ray custom resources per decode replica (and rank), as JSON",
     "pd_on_failure": "PD: a decode side that fails after the prefill: recompute the rest on one "
     "replica, or end the request with an error",
     "pd_local_prefill_tokens": "PD: prompts of at most this many tokens are prefilled on their decode "
     "replica, skipping the prefill pool and the transfer (0: none are)",
     "kv_transfer": "PD: how KV moves from prefill to decode: auto (nccl on GPU, gloo on CPU) | gloo "
     "| nccl | ray (the object store)",
-    "kv_transfer_timeout_s": "PD: a transfer not complete within this frees its slots on both sides",
+    "kv_transfer_timeout_s": "PD: a transfer not complete within this frees its slots on both sides; "
+    "also the lease of a decode reservation, which the ingress renews while its prefill is queued",
+    "pd_reserve_wait_s": "PD: how long a request waits for a decode replica with KV room (trying "
+    "another, then waiting for room) before it is refused with 503",
 }
 
 
-def _value_type(annotation: str) -> type:
-    """The scalar type of a field annotation written as a string (`int | None` -> int)."""
+def _value_type(annotation: str) -> Callable[[str], Any]:
+    """The parser of a field annotation written as a string (`int | None` -> int); a mapping
+    (`dict[str, float] | None`) is given as JSON on the command line."""
     parts = [p.strip() for p in annotation.split("|") if p.strip() != "None"]
     inner = parts[0] if len(parts) == 1 else "str"
+    if inner.startswith("dict["):
+        return json.loads
     return {"bool": bool, "int": int, "float": float}.get(inner, str)
 
 
@@ -403,6 +491,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                     "device": DEVICES,
                     "attention_backend": ATTENTION_BACKENDS,
                     "log_level": LOG_LEVELS,
+                    "reasoning_parser": REASONING_PARSERS,
+                    "tool_call_parser": TOOL_CALL_PARSERS,
                     "router_policy": POLICY_NAMES,
                     "tp_placement": tuple(TP_PLACEMENTS),
                     "kv_transfer": KV_TRANSFER_CHOICES,

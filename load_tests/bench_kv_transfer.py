@@ -3,6 +3,7 @@ same bytes, and the time to move 1k tokens of the default model's KV, for each t
 
     python -m load_tests.bench_kv_transfer                     # ~2 minutes on 2 cores
     python -m load_tests.bench_kv_transfer --tokens 1024 --repeats 3 --json results/kv.json
+    python -m load_tests.bench_kv_transfer --transports nccl   # GPU pools, one GPU per process
 
 Two Ray actors (separate processes, one machine) hold a KV pool each, shaped like SmolLM2-135M's
 (30 layers, 3 KV heads, head_dim 64, bf16). Per token count and mode:
@@ -14,6 +15,9 @@ Two Ray actors (separate processes, one machine) hold a KV pool each, shaped lik
           group built exactly as the engine builds its pair's group (make_process_group), timed
           from the first send to a 1-byte ACK back.
 Each cell is run --repeats times, alternating raw and engine; best and median are reported.
+With `nccl` the pools are on the GPU (a GPU per actor where the host has two, else both on its one
+GPU, which NCCL may refuse: then the transport is reported skipped with the reason, as it is
+where there is no GPU); it has no raw baseline.
 """
 
 from __future__ import annotations
@@ -40,11 +44,16 @@ LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 30, 3, 64, torch.bfloat16
 class Node:
     """One replica's pool plus, for the baseline, one end of a raw gloo group."""
 
-    def __init__(self, replica_id: str, transport: str, max_tokens: int, max_message_bytes: int):
-        self.pool = KVPool(LAYERS, KV_HEADS, HEAD_DIM, num_slots=max_tokens, dtype=DTYPE)
+    def __init__(
+        self, replica_id: str, transport: str, max_tokens: int, max_message_bytes: int, op_timeout: float
+    ):
+        device = "cuda" if transport == "nccl" else "cpu"
+        self.pool = KVPool(LAYERS, KV_HEADS, HEAD_DIM, num_slots=max_tokens, dtype=DTYPE, device=device)
         for buf in self.pool.k_buffers + self.pool.v_buffers:
             buf.normal_()
-        cfg = KVTransferConfig(op_timeout=120, transfer_timeout=300, max_message_bytes=max_message_bytes)
+        cfg = KVTransferConfig(
+            op_timeout=op_timeout, transfer_timeout=300, max_message_bytes=max_message_bytes
+        )
         self.engine = create_kv_transfer_engine(transport, self.pool, replica_id, "bench", "bench", cfg)
         self.handles: dict[str, Any] = {}
         self.store: dist.TCPStore | None = None
@@ -133,12 +142,12 @@ def summary(times: list[float], nbytes: int) -> dict[str, float]:
     }
 
 
-def bench(
-    transport: str, tokens: list[int], repeats: int, with_raw: bool, max_message_bytes: int
-) -> list[dict[str, Any]]:
-    node = ray.remote(num_cpus=0, max_concurrency=4)(Node)
-    sender = node.remote("prefill-0", transport, max(tokens) + 16, max_message_bytes)
-    receiver = node.remote("decode-0", transport, max(tokens) + 16, max_message_bytes)
+def bench(transport: str, tokens: list[int], repeats: int, args) -> list[dict[str, Any]]:
+    with_raw, max_bytes = transport == "gloo", int(args.max_message_mib * 2**20)
+    gpus = 0.0 if transport != "nccl" else 1.0 if torch.cuda.device_count() > 1 else 0.5
+    node = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=4)(Node)
+    sender = node.remote("prefill-0", transport, max(tokens) + 16, max_bytes, args.op_timeout)
+    receiver = node.remote("decode-0", transport, max(tokens) + 16, max_bytes, args.op_timeout)
     if with_raw:
         port = ray.get(receiver.raw_host.remote())
         ray.get([receiver.raw_join.remote(port, 1), sender.raw_join.remote(port, 0)])
@@ -167,6 +176,20 @@ def bench(
     ray.kill(sender)
     ray.kill(receiver)
     return rows
+
+
+def unavailable(transport: str) -> str | None:
+    """Why `transport` cannot be measured on this host, or None."""
+    if transport == "nccl" and not torch.cuda.is_available():
+        return "no CUDA GPU visible (the nccl transport moves GPU pools)"
+    if transport == "nccl" and not dist.is_nccl_available():
+        return "this torch has no NCCL"
+    return None
+
+
+def last_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -198,22 +221,33 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--transports", nargs="+", default=["gloo", "ray"], choices=["gloo", "ray"])
+    ap.add_argument("--transports", nargs="+", default=["gloo", "ray"], choices=["gloo", "nccl", "ray"])
     ap.add_argument("--max-message-mib", type=float, default=KVTransferConfig.max_message_bytes / 2**20)
+    ap.add_argument("--op-timeout", type=float, default=120, help="seconds one gloo/nccl wait may take")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        rows = []
-        for transport in args.transports:
-            max_bytes = int(args.max_message_mib * 2**20)
-            rows += bench(transport, args.tokens, args.repeats, transport == "gloo", max_bytes)
-    finally:
-        ray.shutdown()
-    print_table(rows)
+    skipped = {t: why for t in args.transports if (why := unavailable(t))}
+    rows: list[dict[str, Any]] = []
+    if len(skipped) < len(args.transports):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            for transport in [t for t in args.transports if t not in skipped]:
+                try:
+                    rows += bench(transport, args.tokens, args.repeats, args)
+                except Exception as exc:
+                    if transport != "nccl" or torch.cuda.device_count() > 1:
+                        raise
+                    skipped[transport] = f"two processes on one GPU: {last_line(exc)}"
+        finally:
+            ray.shutdown()
+    if rows:
+        print_table(rows)
+    for transport, why in skipped.items():
+        print(f"{transport}: skipped: {why}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"time": datetime.datetime.now().isoformat(), "rows": rows}, f, indent=2)
+            out = {"time": datetime.datetime.now().isoformat(), "rows": rows, "skipped": skipped}
+            json.dump(out, f, indent=2)
     return 0
 
 

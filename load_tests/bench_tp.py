@@ -34,11 +34,12 @@ import time
 import torch
 
 from load_tests.tiny_moe import tiny_moe_checkpoint
+from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.launch import run_ranks
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
 from radixserve.workers.mem_cache.kv_pool import KVPool
-from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+from radixserve.workers.models.forward_batch import ForwardBatch
 from radixserve.workers.models.loader import load_model
 
 DECODE_BATCH, DECODE_LEN, PREFILL_LEN = 16, 128, 256
@@ -47,7 +48,7 @@ DECODE_BATCH, DECODE_LEN, PREFILL_LEN = 16, 128, 256
 def decode_batch(batch: int, length: int) -> ForwardBatch:
     kv = torch.arange(1, batch * length + 1).view(batch, length)
     return ForwardBatch(
-        ForwardMode.DECODE,
+        BatchKind.DECODE,
         torch.randint(100, 40000, (batch,), generator=torch.Generator().manual_seed(0)),
         torch.full((batch,), length - 1),
         kv[:, -1].clone(),
@@ -63,7 +64,7 @@ def decode_batch(batch: int, length: int) -> ForwardBatch:
 def prefill_batch(length: int) -> ForwardBatch:
     slots = torch.arange(1, length + 1)
     return ForwardBatch(
-        ForwardMode.EXTEND,
+        BatchKind.PREFILL,
         torch.randint(100, 40000, (length,), generator=torch.Generator().manual_seed(1)),
         torch.arange(length),
         slots,

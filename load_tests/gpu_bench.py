@@ -234,6 +234,22 @@ def _rel_diff(ours: torch.Tensor, ref: torch.Tensor, limit: float, what: str) ->
     return diff
 
 
+def headline(figures: dict[str, Any]) -> dict[str, Any]:
+    """The engine model's figures that load_tests/gpu_check.sh reports: decode at batch 1 as a share
+    of HBM bandwidth (the spec sheet's where torch reports the memory bus, else the measured copy),
+    prefill MFU against the measured matmul, and the decode CUDA graph's speed-up (None without)."""
+    peaks, eng = figures["peaks"], figures["engine"]
+    spec = "spec_GBps" in peaks
+    graph_ms = eng.get("decode_graph_ms")
+    return {
+        "decode_hbm_share_batch1": eng["decode_GBps"] / peaks["spec_GBps" if spec else "copy_GBps"],
+        "decode_hbm_basis": "spec-sheet bandwidth" if spec else "measured copy bandwidth",
+        "prefill_mfu": eng["prefill_TFLOPs"] / peaks["matmul_TFLOPs"],
+        "prefill_mfu_basis": f"measured {figures['dtype']} matmul",
+        "cuda_graph_decode_speedup": eng["decode_eager_ms"] / graph_ms if graph_ms else None,
+    }
+
+
 def report(figures: dict[str, Any]) -> str:
     peaks, dec, pre, ker = figures["peaks"], figures["decode"], figures["prefill"], figures["kernels"]
     copy_bw = peaks["copy_GBps"]
@@ -293,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     del model
     figures["kernels"] = bench_attention_kernels(shape, args, device, dtype)
     figures["engine"] = bench_engine(shape, args, device, dtype)
+    figures["headline"] = headline(figures)
     print(report(figures))
     if args.json:
         with open(args.json, "w") as f:

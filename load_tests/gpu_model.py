@@ -246,14 +246,15 @@ def engine_model(
 
 def engine_batch(layout: Layout):
     """The ForwardBatch of `layout`'s new tokens, as the engine's model runner builds it."""
-    from radixserve.workers.models.forward_batch import ForwardBatch, ForwardMode
+    from radixserve.workers.batch_kind import BatchKind
+    from radixserve.workers.models.forward_batch import ForwardBatch
 
     inputs = step_inputs(layout)
     batch = layout.kv_indices.shape[0]
     device = layout.kv_indices.device
     lengths = layout.seq_lens.tolist()
     return ForwardBatch(
-        mode=ForwardMode.DECODE if layout.new_tokens == 1 else ForwardMode.EXTEND,
+        kind=BatchKind.DECODE if layout.new_tokens == 1 else BatchKind.PREFILL,
         input_ids=inputs["input_ids"],
         positions=inputs["positions"],
         out_slots=inputs["out_slots"],

@@ -65,6 +65,8 @@ def test_unified_autoscaling_options():
                     "running_sequences": 8.0,  # default: 3/4 of --max-running-requests
                     "upscale_delay_s": 2.0,
                     "downscale_delay_s": 600.0,
+                    "ttft_s": None,  # no latency target: latency is no signal
+                    "itl_s": None,
                 },
             },
         },
@@ -100,6 +102,8 @@ def test_pd_roles_have_their_own_bounds_and_the_initial_count_is_brought_within(
         {"autoscale_downscale_delay_s": -1},
         {"drain_timeout_s": -1},
         {"autoscale_metrics_interval_s": 30},  # not below the 30 s look-back window
+        {"autoscale_target_ttft_s": 0},
+        {"autoscale_target_itl_s": -0.1},
     ],
 )
 def test_invalid_autoscaling_settings_are_refused(bad):
@@ -124,3 +128,15 @@ def test_engine_deployment_options_serve_accepts():
     assert (config.graceful_shutdown_timeout_s, config.graceful_shutdown_wait_loop_s) == (300.0, 0.5)
     fixed = EngineReplica.options(**replica_options(ServerArgs.from_dict({"dp": 2, "replica_num_cpus": 1})))
     assert fixed.num_replicas == 2 and fixed._deployment_config.autoscaling_config is None
+
+
+def test_latency_targets_reach_each_pools_policy():
+    args = parse_cli(
+        ["--pd", "--prefill-max-replicas", "3", "--decode-max-replicas", "2"]
+        + ["--autoscale-target-ttft-s", "1.5", "--autoscale-target-itl-s", "0.05"]
+    )
+    assert (args.autoscale.autoscale_target_ttft_s, args.autoscale.autoscale_target_itl_s) == (1.5, 0.05)
+    for role in ("prefill", "decode"):
+        kwargs = deployment_autoscaling(role, args, 1)["autoscaling_config"]["policy"]["policy_kwargs"]
+        assert (kwargs["role"], kwargs["ttft_s"], kwargs["itl_s"]) == (role, 1.5, 0.05)
+    assert ServerArgs.from_dict(args.to_dict()) == args

@@ -102,21 +102,28 @@ def test_a_replica_being_removed_finishes_what_it_runs(base_url):
     """A long generation streams from the engine while its replica is told to stop (the app is
     deleted): the replica drains (Serve waits for the stream, up to drain_timeout_s, before the
     engine stops) and the stream gets every token, though most come after the stop."""
-    from radixserve.workers.protocol import GenerateRequest, OutputChunk, SamplingParams
+    from radixserve.workers.protocol import (
+        Accepted,
+        GenerateRequest,
+        OutputChunk,
+        SamplingParams,
+        decode_event,
+    )
 
     params = SamplingParams(max_new_tokens=LONG_TOKENS, temperature=0, ignore_eos=True)
     request = GenerateRequest(list(range(1000, 1000 + PROMPT_LEN)), params, stream=True, rid="drained")
     handle = serve.get_deployment_handle(ENGINE, APP)
     stream = handle.options(stream=True).generate.remote(request.to_dict())
-    messages = [next(stream), next(stream)]  # accepted, then the first tokens
+    events = [decode_event(next(stream)), decode_event(next(stream))]  # accepted, then the first tokens
     serve.delete(APP, _blocking=False)
 
     # The replica is told to stop at once, and drains (with the 5 s deadline the EngineReplica
     # class declares, it would be killed mid-stream).
     wait_for(lambda: app_status() == "DELETING", 30, "the app to be deleting")
-    messages += list(stream)
-    chunks = [OutputChunk.from_dict(m) for m in messages]
-    assert all("error" not in m for m in messages), messages[-1]
+    events += [decode_event(m) for m in stream]
+    assert events[0] == Accepted("drained")
+    chunks = events[1:]
+    assert all(isinstance(c, OutputChunk) for c in chunks), chunks[-1]
     assert sum(len(c.token_ids) for c in chunks) == LONG_TOKENS
     assert chunks[-1].finished and chunks[-1].finish_reason["type"] == "length"
     wait_for(lambda: app_status() is None, 60, "the app to go once drained")

@@ -94,7 +94,14 @@ def test_engine_load_is_read_without_waiting_for_the_engine_thread(engine):
         release.set()
         engine.core.worker.fault_hook = None
         replica.engine = None  # the test's engine outlives this replica object
-    assert set(metrics) == {"queued_prompt_tokens", "running_sequences", "queued_sequences", "kv_usage"}
+    assert set(metrics) == {
+        "queued_prompt_tokens",
+        "running_sequences",
+        "queued_sequences",
+        "kv_usage",
+        "ttft_s",
+        "itl_s",
+    }
     assert all(isinstance(v, int | float) for v in metrics.values())  # what Serve accepts
     assert (metrics["queued_prompt_tokens"], metrics["running_sequences"], metrics["queued_sequences"]) == (
         57,
@@ -104,4 +111,11 @@ def test_engine_load_is_read_without_waiting_for_the_engine_thread(engine):
     assert 30 / 2048 < metrics["kv_usage"] < 80 / 2048  # a's prompt and a few tokens; b's and c's not
     wait_idle(engine)
     assert_kv_invariant(engine)
-    assert engine.load() == EngineLoad(0, 0, 0, 0.0)  # finished KV is evictable: not held
+    idle = engine.load()  # finished KV is evictable: not held; the latencies of the last 30 s stay
+    assert (idle.queued_prompt_tokens, idle.running_sequences, idle.queued_sequences, idle.kv_usage) == (
+        0,
+        0,
+        0,
+        0.0,
+    )
+    assert idle.ttft_s > 0 and idle.itl_s > 0

@@ -7,6 +7,8 @@ replicas up `startup_s` later. Tests assert the exact seconds at which the count
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from radixserve.cluster.autoscaling import (
@@ -44,18 +46,21 @@ def segments(*parts: tuple[int, EngineLoad]) -> list[EngineLoad]:
 
 
 def split(total: EngineLoad, n: int) -> list[EngineLoad]:
+    """Even shares; a latency too (a trace's latency is one replica's at the whole load)."""
     return [
         EngineLoad(
             total.queued_prompt_tokens / n,
             total.running_sequences / n,
             total.queued_sequences / n,
             total.kv_usage / n,
+            total.ttft_s / n,
+            total.itl_s / n,
         )
         for _ in range(n)
     ]
 
 
-def simulate(trace, role="unified", start=1, lo=1, hi=8, startup_s=0):
+def simulate(trace, role="unified", start=1, lo=1, hi=8, startup_s=0, t=T):
     """The (second, new count) of every change of the target."""
     target = running = start
     ready_at, state, changes = 0.0, {}, []
@@ -65,8 +70,8 @@ def simulate(trace, role="unified", start=1, lo=1, hi=8, startup_s=0):
             running = target
         running = min(running, target)  # a removed replica leaves at once
         loads = split(total, running)
-        demand = DEMAND_OF[role](loads, T) if loads else None
-        new, state = decide(demand, Replicas(target, running, lo, hi), T, now, state)
+        demand = DEMAND_OF[role](loads, t) if loads else None
+        new, state = decide(demand, Replicas(target, running, lo, hi), t, now, state)
         if new > target:
             ready_at = now + startup_s
         if new != target:
@@ -155,9 +160,14 @@ def test_replica_loads_from_serve_metrics():
         "queued_prompt_tokens": {"r1": 300.0, "r2": 50.5},
         "running_sequences": {"r1": 2.0, "r2": 1.5},
         "kv_usage": {"r1": 0.25},
+        "ttft_s": {"r2": 0.75},
+        "itl_s": {"r1": 0.02},
         "running_requests": {"r1": 9.0},  # Serve's own: not a load signal
     }
-    assert replica_loads(aggregated) == [EngineLoad(300.0, 2.0, 0, 0.25), EngineLoad(50.5, 1.5, 0, 0)]
+    assert replica_loads(aggregated) == [
+        EngineLoad(300.0, 2.0, 0, 0.25, itl_s=0.02),
+        EngineLoad(50.5, 1.5, 0, 0, ttft_s=0.75),
+    ]
     assert replica_loads(None) == replica_loads({}) == []
 
 
@@ -216,3 +226,44 @@ def test_load_policy_refuses_an_unknown_role():
         LoadPolicy(role="mixed", **{f: 1.0 for f in Targets.__dataclass_fields__})
     with pytest.raises(ValueError, match="targets"):
         Targets(0, 0.8, 8, 1, 1)
+
+
+# T with latency targets: 1 s to the first token, 50 ms between tokens.
+TL = dataclasses.replace(T, ttft_s=1.0, itl_s=0.05)
+
+
+def test_latency_is_a_signal_only_with_a_target():
+    loads = [
+        EngineLoad(500, 2, 0, 0.2, ttft_s=1.5, itl_s=0.08),
+        EngineLoad(0, 2, 0, 0.2, ttft_s=0.5, itl_s=0.04),
+    ]
+    assert prefill(loads, T) == 0.5 and decode(loads, T) == 0.5  # 500 tokens; 4 running at 8
+    # Each replica's latency in targets, summed: 1.5 + 0.5 at 1 s; 0.08 + 0.04 at 0.05 s.
+    assert prefill(loads, TL) == 2.0
+    assert decode(loads, TL) == pytest.approx(2.4)
+    assert unified(loads, TL) == pytest.approx(2.4)
+    # The larger signal wins: a backlog of 5000 tokens needs 5 replicas whatever the latency.
+    assert prefill([EngineLoad(5000, ttft_s=0.1)], TL) == 5.0
+
+
+def test_ttft_above_its_target_scales_the_prefill_pool_with_no_backlog():
+    """No prompt tokens wait (the replicas keep up, slowly): 3 s to the first token at 1 s per
+    replica asks for 3 replicas after the up delay; back on target it holds; once fast again the
+    pool steps down one at a time after the down delay."""
+    trace = segments((5, IDLE), (30, EngineLoad(ttft_s=3.0)), (60, EngineLoad(ttft_s=0.3)))
+    assert simulate(trace, role="prefill", t=TL) == [(10, 3), (55, 2), (76, 1)]
+    assert simulate(trace, role="prefill") == []  # without a target latency is no signal
+
+
+def test_itl_above_its_target_scales_the_decode_pool():
+    # 3 sequences at 0.1 s per token on one replica (KV and running sequences far below target):
+    # 2 replicas at 50 ms; on 2 replicas the ITL halves to the target and the count holds.
+    trace = segments((40, EngineLoad(0, 3, 0, 0.1, itl_s=0.1)))
+    assert simulate(trace, role="decode", t=TL) == [(5, 2)]
+
+
+def test_latency_targets_must_be_positive():
+    with pytest.raises(ValueError, match="targets"):
+        dataclasses.replace(T, ttft_s=0.0)
+    with pytest.raises(ValueError, match="targets"):
+        dataclasses.replace(T, itl_s=-1.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -61,11 +62,21 @@ def test_rays_schema_rejects_a_broken_config():
         validated(config)
 
 
+def ray_start(commands: list[str]) -> str:
+    """The one `ray start` of a node's start commands (after any VAR=value settings)."""
+    (start,) = [c for c in commands if re.match(r"(\w+=\S*\s+)*ray start ", c)]
+    return start
+
+
 def test_local_cluster_keeps_every_worker_ip():
     full = validated(load("cluster.yaml"))
     ((_, node_type),) = full["available_node_types"].items()
     n = len(full["provider"]["worker_ips"])
     assert node_type["min_workers"] == node_type["max_workers"] == full["max_workers"] == n
+    # The head's autoscaler sets the workers up: v1, since v2 never launches a local provider's.
+    assert ray_start(full["head_start_ray_commands"]).startswith(
+        "RAY_enable_autoscaler_v2=0 ray start --head "
+    )
 
 
 def test_aws_cluster_has_a_cpu_head_and_gpu_pools_the_autoscaler_can_grow():
@@ -81,6 +92,104 @@ def test_aws_cluster_has_a_cpu_head_and_gpu_pools_the_autoscaler_can_grow():
     assert full["idle_timeout_minutes"] > 0  # nodes idle after a Serve scale-down go away
 
 
+DLAMI = (
+    "resolve:ssm:/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+)
+
+
+def test_aws_gpu_nodes_boot_the_deep_learning_ami_with_the_nvidia_driver():
+    types = validated(load("cluster-aws.yaml"))["available_node_types"]
+    assert {t: types[t]["node_config"]["ImageId"] for t in ("prefill_gpu", "decode_gpu")} == {
+        "prefill_gpu": DLAMI,
+        "decode_gpu": DLAMI,
+    }
+    assert types["head"]["node_config"]["ImageId"].startswith("ami-")  # no GPU: plain Ubuntu
+
+
+def engine_deployments(config: dict) -> dict:
+    """The engine deployments that a serve config's application builds, by name."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from radixserve.cluster.app import build
+
+    (app,) = ServeDeploySchema.model_validate(config).applications
+    built = build(ServerArgs.from_dict(app.args))._bound_deployment
+    engines = [a._bound_deployment for a in built.init_args if hasattr(a, "_bound_deployment")]
+    return {e.name: e for e in engines}
+
+
+def test_serve_pd_pools_ask_for_the_resources_their_aws_node_types_advertise():
+    types = validated(load("cluster-aws.yaml"))["available_node_types"]
+    builtin = {"CPU", "GPU", "memory", "object_store_memory"}
+    advertised = {t: set(types[t]["resources"]) - builtin for t in types}
+    engines = engine_deployments(load("serve-pd.yaml"))
+    requested = {name: e.ray_actor_options.get("resources", {}) for name, e in engines.items()}
+    assert requested == {"PrefillReplica": {"prefill_pool": 0.01}, "DecodeReplica": {"decode_pool": 0.01}}
+    # Every custom resource a node type advertises is asked for, and each pool's only by its type.
+    assert set().union(*advertised.values()) == set().union(*map(set, requested.values()))
+    for name, node_type in (("PrefillReplica", "prefill_gpu"), ("DecodeReplica", "decode_gpu")):
+        hosts = [t for t, names in advertised.items() if set(requested[name]) <= names]
+        assert hosts == [node_type]
+        assert all(amount <= types[node_type]["resources"][r] for r, amount in requested[name].items())
+
+
+# A commented `args` line of the autoscaling example in deploy/serve.yaml.
+AUTOSCALE_EXAMPLE = re.compile(r"^(\s+)# ((?:min_replicas|max_replicas|autoscale_\w+): \S+)")
+
+
+def test_serve_yaml_autoscaling_example_tunes_the_llm_aware_policy():
+    """Uncommented, serve.yaml's autoscaling example (in `args`) autoscales the engine replicas
+    with LoadPolicy at the targets it names. Its `deployments:` section offers no Serve
+    autoscaling_config: there Serve would replace the whole policy with its default one, as its
+    own override of the same deployment shows."""
+    from ray.serve._private.application_state import override_deployment_info
+    from ray.serve._private.deployment_info import DeploymentInfo
+    from ray.serve.schema import ServeApplicationSchema
+
+    from radixserve.cluster.autoscaling import POLICY_PATH
+
+    text = (DEPLOY / "serve.yaml").read_text()
+    lines = [AUTOSCALE_EXAMPLE.sub(r"\1\2", line) for line in text.splitlines()]
+    assert sum(a != b for a, b in zip(lines, text.splitlines())) == 9
+    config = yaml.safe_load("\n".join(lines))
+    engine = engine_deployments(config)["EngineReplica"]
+    autoscaling = engine._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.initial_replicas) == (1, 4, 1)
+    assert autoscaling.policy.policy_function == POLICY_PATH
+    assert autoscaling.policy.policy_kwargs == {
+        "role": "unified",
+        "queued_prompt_tokens": 8192.0,
+        "kv_usage": 0.8,
+        "running_sequences": 48.0,
+        "upscale_delay_s": 30.0,
+        "downscale_delay_s": 600.0,
+        "ttft_s": 2.0,
+        "itl_s": 0.1,
+    }
+    deployments = text.split("\n    deployments:\n", 1)[1]
+    serve_keys = re.compile(r"^\s*#?\s*(autoscaling_config:|num_replicas: auto)", re.MULTILINE)
+    assert serve_keys.findall(deployments) == []
+    # What Serve does with one there: its default policy, on ongoing requests, instead of ours.
+    info = DeploymentInfo(
+        deployment_config=engine._deployment_config,
+        replica_config=engine._replica_config,
+        start_time_ms=0,
+        deployer_job_id="job",
+    )
+    (app,) = config["applications"]
+    serve_autoscaling = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
+    for override in (
+        {"num_replicas": "auto", "autoscaling_config": serve_autoscaling},
+        {"autoscaling_config": serve_autoscaling},
+    ):
+        schema = ServeApplicationSchema.model_validate(
+            {**app, "deployments": [{"name": "EngineReplica", **override}]}
+        )
+        replaced = override_deployment_info({"EngineReplica": info}, schema)["EngineReplica"]
+        policy = replaced.deployment_config.autoscaling_config.policy
+        assert policy.policy_function == "ray.serve.autoscaling_policy:default_autoscaling_policy"
+
+
 @pytest.mark.parametrize("name", ["cluster.yaml", "cluster-aws.yaml"])
 def test_cluster_runs_with_token_auth_and_private_ports(name):
     config = load(name)
@@ -88,10 +197,38 @@ def test_cluster_runs_with_token_auth_and_private_ports(name):
     assert "RAY_AUTH_MODE=token" in setup and ">> ~/.bashrc" in setup
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     assert "-c ~/radixserve/requirements/constraints.txt" in setup
-    (head_start,) = [c for c in config["head_start_ray_commands"] if c.startswith("ray start")]
+    head_start = ray_start(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_start and "--metrics-export-port=8080" in head_start
-    (worker_start,) = [c for c in config["worker_start_ray_commands"] if c.startswith("ray start")]
+    worker_start = ray_start(config["worker_start_ray_commands"])
     assert "--metrics-export-port=8080" in worker_start
+
+
+@pytest.mark.parametrize("wheel_dir", [None, "/srv/wheels dir"])
+def test_local_cluster_install_takes_only_radixserve_wheel_dir_as_a_local_source(wheel_dir):
+    """The node's pip install, as its login shell expands it: the public index plus
+    `--find-links $RADIXSERVE_WHEEL_DIR` where the node sets that variable, and nothing else."""
+    (install,) = [c for c in load("cluster.yaml")["setup_commands"] if "-e ~/radixserve" in c]
+    prefix = "~/radixserve-venv/bin/python -m pip install "
+    assert install.startswith(prefix)
+    env = {"PATH": os.environ["PATH"], "HOME": "/home/node"}
+    if wheel_dir is not None:
+        env["RADIXSERVE_WHEEL_DIR"] = wheel_dir
+    out = subprocess.run(
+        ["bash", "-c", "printf '%s\\n' " + install[len(prefix) :]],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    links = ["--find-links", wheel_dir] if wheel_dir is not None else []
+    assert out.stdout.splitlines() == [
+        "-q",
+        "-c",
+        "/home/node/radixserve/requirements/constraints.txt",
+        *links,
+        "-e",
+        "/home/node/radixserve",
+    ]
 
 
 def test_serve_yaml_passes_serves_schema_and_our_arguments():

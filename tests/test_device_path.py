@@ -10,22 +10,28 @@ Here, on CPU tensors:
 
 With CUDA (load_tests/gpu_check.sh runs this module on a GPU): the engine on the GPU equals
 transformers in float32, CUDA graphs equal eager decode, the default model serves a json_schema
-request and an abort in bf16, and the pool is sized from the GPU's memory.
+request and an abort in bf16, the pool is sized from the GPU's memory, and with two GPUs a tp 2
+engine over NCCL equals one GPU's. A test that needs more GPUs than the host has skips, naming
+torch.cuda.device_count().
+
+Every engine here names its device: a GPU host resolves "auto" to its GPU, where a reference on the
+cpu attention backend cannot start.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from radixserve.workers import Engine
+from radixserve.workers.distributed import device
 from radixserve.workers.executor.cuda_graphs import graph_buckets
 from tests.engine_utils import assert_kv_invariant, hf_greedy
 from tests.test_tp_engine import scenario
 from tests.tiny_models import make_tiny_checkpoint
 
-CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (load_tests/gpu_check.sh)")
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 PROMPTS = [
     "Hello there",
@@ -33,6 +39,27 @@ PROMPTS = [
     "x",
     "Hello there, and more",  # shares a prefix with the first
 ]
+
+
+# Set to 1 (load_tests/gpu_check.sh --dry-run does), "auto" resolves as on a host with one GPU: a
+# test that leaves an engine's device to "auto" fails on this CPU as it would there (it asks for a
+# GPU), and one that needs two GPUs skips as it would there.
+AS_GPU_HOST = "GPU_CHECK_AS_GPU_HOST"
+
+
+@pytest.fixture(autouse=True)
+def _as_gpu_host(monkeypatch):
+    if os.environ.get(AS_GPU_HOST) == "1":
+        monkeypatch.setattr(device, "gpu_count", lambda: 1)
+
+
+def _needs_gpus(n: int) -> None:
+    """Skip unless the host has `n` GPUs (as "auto" sees them) and torch can compute on them."""
+    count = device.gpu_count()
+    if count < n:
+        pytest.skip(f"needs {n} CUDA GPU{'s' * (n > 1)}; torch.cuda.device_count() is {count}")
+    if not torch.cuda.is_available():
+        pytest.skip(f"{AS_GPU_HOST}=1 answers as a GPU host, but there is no GPU to compute on")
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +73,12 @@ def _outputs(engine: Engine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return outs
 
 
-def _greedy(path, **kwargs) -> list[list[int]]:
-    engine = Engine(str(path), dtype="float32", max_total_tokens=2048, chunked_prefill_size=16, **kwargs)
+def _greedy(path, *, device: str, **kwargs) -> list[list[int]]:
+    """Every engine here names its device: left at "auto", a reference on the cpu backend would
+    land on the GPU of a GPU host and fail there."""
+    engine = Engine(
+        str(path), device=device, dtype="float32", max_total_tokens=2048, chunked_prefill_size=16, **kwargs
+    )
     try:
         return _outputs(engine)
     finally:
@@ -65,7 +96,7 @@ def test_triton_backend_equals_the_cpu_backend(tmp_path):
         num_key_value_heads=2,
         max_position_embeddings=4096,
     )
-    common = dict(dtype="float32", max_total_tokens=4096, chunked_prefill_size=16)
+    common = dict(device="cpu", dtype="float32", max_total_tokens=4096, chunked_prefill_size=16)
     results = {}
     for backend in ("cpu", "triton"):
         engine = Engine(path, attention_backend=backend, **common)
@@ -79,13 +110,14 @@ def test_triton_backend_equals_the_cpu_backend(tmp_path):
 
 
 def test_torch_backend_equals_the_cpu_backend(tiny):
-    assert _greedy(tiny, attention_backend="torch") == _greedy(tiny, attention_backend="cpu")
+    ours = _greedy(tiny, device="cpu", attention_backend="torch")
+    assert ours == _greedy(tiny, device="cpu", attention_backend="cpu")
 
 
 def test_tp2_on_the_triton_backend_equals_tp1(tiny):
     """Every rank builds the backend it is given: the followers attend with Triton too."""
-    ref = _greedy(tiny, attention_backend="cpu")
-    assert _greedy(tiny, attention_backend="triton", tp_size=2, num_threads=1) == ref
+    ref = _greedy(tiny, device="cpu", attention_backend="cpu")
+    assert _greedy(tiny, device="cpu", attention_backend="triton", tp_size=2, num_threads=1) == ref
 
 
 def test_graph_buckets():
@@ -98,9 +130,14 @@ def test_graph_buckets():
 def test_decode_buffers_and_padding_without_graphs(tiny, backend):
     """Batches of 1-4 sequences through buckets 1, 2, 4: three sequences pad one row, which
     writes slot 0 and reads it; the output equals eager decode and the KV stays accounted for."""
-    ref = _greedy(tiny, attention_backend=backend)
+    ref = _greedy(tiny, device="cpu", attention_backend=backend)
     engine = Engine(
-        str(tiny), dtype="float32", max_total_tokens=2048, chunked_prefill_size=16, attention_backend=backend
+        str(tiny),
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=2048,
+        chunked_prefill_size=16,
+        attention_backend=backend,
     )
     try:
         graphs = engine.core.runner.capture_decode_graphs(4, eager=True)
@@ -114,9 +151,24 @@ def test_decode_buffers_and_padding_without_graphs(tiny, backend):
         engine.shutdown()
 
 
+def test_auto_is_the_gpu_where_torch_sees_one(monkeypatch, tiny):
+    """Where a GPU is seen, an engine left at "auto" goes to it: one on the cpu attention backend
+    does not start (here, without the GPU, it fails asking for it)."""
+    monkeypatch.setattr(device, "gpu_count", lambda: 0)
+    assert device.device_kind("auto") == "cpu"
+    monkeypatch.setattr(device, "gpu_count", lambda: 1)
+    assert device.device_kind("auto") == "cuda" and device.device_kind("cpu") == "cpu"
+    if torch.cuda.is_available():
+        error, text = ValueError, "the cpu attention backend runs on CPU only, not on cuda"
+    else:
+        error, text = RuntimeError, "--device cuda was asked for, but"
+    with pytest.raises(error, match=text):
+        Engine(str(tiny), attention_backend="cpu", dtype="float32", max_total_tokens=2048)
+
+
 # On a GPU ---------------------------------------------------------------------------------------
-@needs_cuda
 def test_cuda_engine_equals_transformers_float32(tiny):
+    _needs_gpus(1)
     engine = Engine(str(tiny), device="cuda", dtype="float32", max_total_tokens=2048, chunked_prefill_size=16)
     try:
         core = engine.core
@@ -132,10 +184,10 @@ def test_cuda_engine_equals_transformers_float32(tiny):
     assert outs == hf_greedy(str(tiny), prompt_ids, GREEDY["max_new_tokens"])
 
 
-@needs_cuda
 def test_cuda_graphs_equal_eager_decode():
     """The default model in bf16: 1, 3 and 5 concurrent sequences (padded buckets 1, 4, 8). The
     torch backend runs eagerly (its decode would gather the graph's whole width)."""
+    _needs_gpus(1)
     torch_backend = Engine(device="cuda", attention_backend="torch", max_total_tokens=100_000)
     try:
         assert torch_backend.core.runner.graphs is None
@@ -153,9 +205,9 @@ def test_cuda_graphs_equal_eager_decode():
     assert results[True] == results[False]
 
 
-@needs_cuda
 def test_cuda_default_model_serves_json_and_aborts():
     """The pool sized from the GPU's memory: 0.85 of it holds what is in use plus the KV."""
+    _needs_gpus(1)
     free, total = torch.cuda.mem_get_info()
     engine = Engine(device="cuda", chunked_prefill_size=16)
     try:
@@ -167,3 +219,10 @@ def test_cuda_default_model_serves_json_and_aborts():
         assert out["cached"] and out["abort"] == "abort" and out["json_finish"] == "stop"
     finally:
         engine.shutdown()
+
+
+def test_cuda_tp2_equals_tp1(tiny):
+    """Rank r on GPU r, NCCL between the ranks: greedy output equals one GPU's."""
+    _needs_gpus(2)
+    ref = _greedy(tiny, device="cuda")
+    assert _greedy(tiny, device="cuda", tp_size=2) == ref

@@ -106,3 +106,44 @@ def test_each_pool_takes_its_own_degree():
     # One of them set: the other pool keeps --tp.
     args = ServerArgs.from_dict({"pd": True, "tp": 3, "decode_tp": 1})
     assert (args.tp_of("prefill"), args.role_engine("decode").kv_peer_tp_size) == (3, 3)
+
+
+def test_each_pool_asks_for_its_custom_resources_replica_and_ranks():
+    """--prefill-resources / --decode-resources (JSON on the command line, a mapping in YAML):
+    the pool's replicas ask Ray for them, each rank's bundle too, so a pool lands only on the
+    nodes that advertise them."""
+    args = parse_cli(
+        ["--pd", "--prefill-resources", '{"prefill_pool": 0.01}', "--decode-resources", '{"decode_pool": 1}']
+        + ["--prefill-num-cpus", "2", "--decode-num-cpus", "1", "--decode-tp", "2"]
+    )
+    assert args.deployment.prefill_resources == {"prefill_pool": 0.01}
+    assert ServerArgs.from_dict(args.to_dict()) == args
+    p, d = replica_options(args, "prefill"), replica_options(args, "decode")
+    assert p["ray_actor_options"] == {"num_cpus": 2, "resources": {"prefill_pool": 0.01}}
+    assert "placement_group_bundles" not in p
+    assert d["ray_actor_options"] == {"num_cpus": 1, "resources": {"decode_pool": 1}}
+    assert d["placement_group_bundles"] == [{"CPU": 1, "decode_pool": 1}] * 2
+    plain = replica_options(ServerArgs.from_dict({"pd": True, "prefill_num_cpus": 1}), "prefill")
+    assert plain["ray_actor_options"] == {"num_cpus": 1}
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"prefill_resources": {"prefill_pool": 1}}, "PD settings"),  # without --pd
+        ({"pd": True, "decode_resources": {"GPU": 1}}, "not a custom resource"),
+        ({"pd": True, "decode_resources": {"decode_pool": 0}}, "must be a number > 0"),
+        ({"pd": True, "prefill_resources": {"prefill_pool": "a"}}, "must be a number > 0"),
+        ({"pd": True, "prefill_resources": {}}, "non-empty mapping"),
+        ({"pd": True, "prefill_resources": "prefill_pool"}, "non-empty mapping"),
+    ],
+)
+def test_bad_pool_resources_are_refused(given, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs.from_dict(given)
+
+
+def test_pool_resources_on_the_command_line_are_json(capsys):
+    with pytest.raises(SystemExit):
+        parse_cli(["--pd", "--prefill-resources", "prefill_pool=1"])
+    assert "--prefill-resources" in capsys.readouterr().err

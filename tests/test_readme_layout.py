@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FILE = re.compile(r"\b[\w-]+\.(?:py|sh|yaml|yml|json|cpp|h)\b")
 FOLDER = re.compile(r"^( {0,2})([\w-]+)/(?:\s|$)")
 # Folders whose every file the layout must name (tests/ is described as a whole).
-LISTED = ("cluster", "router", "workers", "kernels", "deploy", "load_tests")
+LISTED = ("cluster", "router", "workers", "kernels", "lang", "deploy", "load_tests")
 
 
 def layout_block() -> list[str]:
