@@ -5,9 +5,11 @@ the tickets, first token from prefill, the rest from decode), against a unified 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
 import pytest
@@ -70,25 +72,33 @@ def merge(outs: dict[int, dict], chunk: OutputChunk, final: bool) -> None:
         )
 
 
-async def pd_run(prefill: Engine, decode: Engine, req: GenerateRequest) -> dict[int, dict]:
-    """As the ingress serves a PD request, renewing the reservation until the first token (a
-    grammar compiled on the prefill side may take longer than a lease on a busy machine)."""
-    dstream, done = decode.reserve(req)
-    tickets = await asyncio.wrap_future(done)
-    assert len(tickets) == req.sampling_params.n
+@contextlib.asynccontextmanager
+async def renewing(decode: Engine, rid: str) -> AsyncIterator[None]:
+    """Renew the reservation of `rid` every quarter lease while the body runs, as the ingress
+    does until the first token (a grammar compiled on the prefill side may take longer than a
+    lease on a busy machine)."""
 
     async def renew() -> None:
         while True:
-            decode.renew([req.rid])
+            decode.renew([rid])
             await asyncio.sleep(decode.config.kv_transfer_timeout_s / 4)
 
-    renewing = asyncio.ensure_future(renew())
-    outs: dict[int, dict] = {}
+    task = asyncio.ensure_future(renew())
     try:
+        yield
+    finally:
+        task.cancel()
+
+
+async def pd_run(prefill: Engine, decode: Engine, req: GenerateRequest) -> dict[int, dict]:
+    """As the ingress serves a PD request, renewing the reservation until the first token."""
+    dstream, done = decode.reserve(req)
+    tickets = await asyncio.wrap_future(done)
+    assert len(tickets) == req.sampling_params.n
+    outs: dict[int, dict] = {}
+    async with renewing(decode, req.rid):
         async for chunk in prefill.submit(dataclasses.replace(req, kv_tickets=tickets)):
             merge(outs, chunk, final=False)
-    finally:
-        renewing.cancel()
     async for chunk in dstream:
         merge(outs, chunk, final=True)
     return outs

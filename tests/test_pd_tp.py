@@ -26,7 +26,7 @@ from radixserve.workers.protocol import (
     TransferFailed,
 )
 from tests.engine_utils import assert_kv_invariant
-from tests.test_pd_engine import abort_while_reserved, merge, reserved_until_timeout, unified_run
+from tests.test_pd_engine import abort_while_reserved, merge, renewing, reserved_until_timeout, unified_run
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # five engines, four of them tensor-parallel ranks
@@ -92,7 +92,9 @@ async def pd_run(prefill: EngineProcess, decode: Engine, req: GenerateRequest) -
     dstream, done = decode.reserve(req)
     tickets = await asyncio.wrap_future(done)
     outs: dict[int, dict] = {}
-    for chunk in await asyncio.to_thread(prefill.generate, dataclasses.replace(req, kv_tickets=tickets)):
+    async with renewing(decode, req.rid):
+        chunks = await asyncio.to_thread(prefill.generate, dataclasses.replace(req, kv_tickets=tickets))
+    for chunk in chunks:
         merge(outs, chunk, final=False)
     async for chunk in dstream:
         merge(outs, chunk, final=True)
