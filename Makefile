@@ -22,9 +22,8 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 serve: setup
 	$(VENV)/bin/radixserve serve $(ARGS)
 
-# The suite runs as two pytest processes side by side (tests/run_suite.py); with ARGS, one pytest.
 test: setup
-	$(VENV)/bin/python -m tests.run_suite $(ARGS)
+	$(VENV)/bin/python -m pytest -q $(ARGS)
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from tests.serve_utils import assert_error_shape, running_app, sse_events, wait_idle
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 KEY = "sk-fuzz"
 KV_TOTAL = 4096

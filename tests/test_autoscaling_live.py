@@ -16,7 +16,7 @@ from tests.autoscaling_utils import APP, Requests, burst, end, wait_for
 from tests.autoscaling_utils import replica_states as states_of
 from tests.serve_utils import running_app
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 ENGINE = "EngineReplica"
 KV_TOTAL = 1024

@@ -34,7 +34,7 @@ from tests.autoscaling_utils import APP, Requests, burst, end, replica_states, w
 from tests.pd_utils import replicas, wait_idle
 from tests.serve_utils import running_app
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 PREFILL, DECODE = "PrefillReplica", "DecodeReplica"
 KV_TOTAL = 4096

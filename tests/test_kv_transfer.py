@@ -26,7 +26,7 @@ from tests.kv_transfer_utils import (
 )
 
 # Each module brings up a local Ray instance and several actor processes (about a minute).
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

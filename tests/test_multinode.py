@@ -37,7 +37,7 @@ from ray import serve
 
 from tests.serve_utils import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a multi-node Ray cluster and a live Serve app
+pytestmark = pytest.mark.slow  # starts a multi-node Ray cluster and a live Serve app
 
 REPO = Path(__file__).resolve().parents[1]
 APP = "radixserve"

@@ -20,7 +20,7 @@ from tests.pd_utils import MAX_TOKENS, PD_ARGS, PROMPTS, unified_reference, wait
 from tests.serve_utils import free_port
 from tests.test_multinode import deploy, keeping_current_cluster_file, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a multi-node Ray cluster and a live Serve app
+pytestmark = pytest.mark.slow  # starts a multi-node Ray cluster and a live Serve app
 
 REPO = Path(__file__).resolve().parents[1]
 APP = "radixserve"

@@ -14,7 +14,7 @@ import pytest
 from tests.pd_utils import MAX_TOKENS, PD_ARGS, PROMPTS, kill_replica, unified_reference, wait_idle
 from tests.serve_utils import running_app
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from tests.pd_utils import (
 )
 from tests.serve_utils import running_app
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 
 @pytest.fixture(scope="module")

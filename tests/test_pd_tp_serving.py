@@ -17,7 +17,7 @@ import pytest
 from tests.pd_utils import MAX_TOKENS, PD_ARGS, PROMPTS, replicas, unified_reference, wait_idle
 from tests.serve_utils import abort_mid_stream, running_app
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 GREEDY = {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
 # Past a few tokens every rank's share of the KV shapes the output: a rank whose heads did not

@@ -34,7 +34,7 @@ import yaml
 from tests.serve_utils import free_port
 from tests.test_server_cli import start, stop
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

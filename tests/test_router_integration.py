@@ -16,7 +16,7 @@ import ray
 
 from tests.serve_utils import running_app
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 KV_TOTAL = 2048
 SYNC_S = 1.0

@@ -20,7 +20,7 @@ import ray
 
 from tests.serve_utils import abort_mid_stream, running_app, sse_events
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 KEY = "sk-test-key"
 MAX_BODY = 4 * 1024 * 1024  # room for multi-megabyte prompts, refused by their length

@@ -21,7 +21,7 @@ import yaml
 from load_tests import bench_serving
 from tests.serve_utils import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 REPO = Path(__file__).resolve().parents[1]
 

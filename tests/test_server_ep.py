@@ -15,7 +15,7 @@ from tests.engine_utils import hf_greedy
 from tests.serve_utils import running_app, wait_idle
 from tests.tiny_models import make_tiny_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 KV_TOTAL = 2048
 MAX_TOKENS = 10

@@ -13,7 +13,7 @@ import ray
 
 from tests.serve_utils import abort_mid_stream, running_app, wait_idle
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 KV_TOTAL = 2048
 

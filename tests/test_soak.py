@@ -23,7 +23,7 @@ import pytest
 
 from tests.serve_utils import running_app, sse_events, wait_idle
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 KV_TOTAL = 8192
 REQUESTS = 1000

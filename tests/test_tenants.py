@@ -14,7 +14,7 @@ import pytest
 
 from tests.serve_utils import running_app
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # starts a live Ray Serve app
+pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 
 DP = 2
 SYNC_S = 1.0
