@@ -359,6 +359,11 @@ HELP = {
     "disable_radix_cache": "turn prefix caching off",
     "deterministic": "batch-invariant kernels: a seeded request gives bitwise the same tokens whatever "
     "else runs (CPU, bf16, --tp 1; load_tests/bench_deterministic.py measures the throughput)",
+    "hicache_host_size": "GiB of host memory that KV evicted from the device pool moves to (0: none); "
+    "a prompt that matches it copies it back instead of recomputing it (unified mode, --tp 1)",
+    "hicache_disk_dir": "directory for a third cache tier on local disk: host-tier KV spills to files "
+    "there (checksummed; a bad file is recomputed); each replica uses a subdirectory it removes",
+    "hicache_disk_size": "GiB the disk tier may use (needs --hicache-disk-dir and --hicache-host-size)",
     "radix_eviction_policy": "lru (least recently used leaf first) | lfu (least used, then least "
     "recently used: one-off suffixes go before shared prefixes)",
     "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health and /ready "

@@ -297,7 +297,7 @@ def test_lazy_heap_stays_bounded():
     run_request(cache, pool, [1, 2, 3])
     for _ in range(1000):
         cache.match_prefix([1, 2, 3])
-    assert len(cache._heap) <= 2 * 1 + 64 + 1
+    assert len(cache._heaps["device"]) <= 2 * 1 + 64 + 1
     cache.check_integrity()
     assert cache.evict(1) == 3
 
@@ -447,7 +447,7 @@ def test_check_integrity_detects_corruption():
     with pytest.raises(AssertionError):
         cache.check_integrity()
     cache._evictable -= 1
-    cache._heap.clear()  # an evictable leaf the eviction heap no longer knows about
+    cache._heaps["device"].clear()  # an evictable leaf the eviction heap no longer knows about
     with pytest.raises(AssertionError, match="heap"):
         cache.check_integrity()
 

@@ -682,6 +682,20 @@ class ReplicaStats:
     pd_bytes_sent_total: int = 0
     pd_bytes_received_total: int = 0
     pd_bytes_saved_total: int = 0
+    # Cache tiers (--hicache-*): tokens held below the device, tokens moved down and loaded back,
+    # what fell out of the last tier, and the seconds loads took.
+    kv_host_total: int = 0
+    kv_host_cached_tokens: int = 0
+    kv_disk_cached_tokens: int = 0
+    kv_disk_used_bytes: int = 0
+    tier_device_to_host_tokens: int = 0
+    tier_host_to_disk_tokens: int = 0
+    tier_dropped_tokens: int = 0
+    tier_host_loaded_tokens: int = 0
+    tier_disk_loaded_tokens: int = 0
+    tier_host_load_seconds: float = 0.0
+    tier_disk_load_seconds: float = 0.0
+    tier_disk_load_failures: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -82,6 +82,18 @@ COUNTERS = (
         "pd_bytes_saved_total",
         "PD: K/V bytes not moved (the decode side held them)",
     ),
+    ("cache_device_to_host_tokens", "tier_device_to_host_tokens", "Tiers: tokens evicted to host memory"),
+    ("cache_host_to_disk_tokens", "tier_host_to_disk_tokens", "Tiers: tokens spilled from host to disk"),
+    ("cache_tier_dropped_tokens", "tier_dropped_tokens", "Tiers: cached tokens that fell out of every tier"),
+    ("cache_host_loaded_tokens", "tier_host_loaded_tokens", "Tiers: tokens loaded back from host memory"),
+    ("cache_disk_loaded_tokens", "tier_disk_loaded_tokens", "Tiers: tokens loaded back from disk"),
+    ("cache_host_load_seconds", "tier_host_load_seconds", "Tiers: time spent loading from host memory"),
+    ("cache_disk_load_seconds", "tier_disk_load_seconds", "Tiers: time spent loading from disk"),
+    (
+        "cache_disk_load_failures",
+        "tier_disk_load_failures",
+        "Tiers: disk files that failed their check (recomputed)",
+    ),
 )
 
 
@@ -180,6 +192,22 @@ class _ReplicaCollector:
             ),
             ("kv_free_tokens", "KV slots free right now (evictable ones not counted)", lambda s: s.kv_free),
             ("kv_total_tokens", "KV pool size in tokens", lambda s: s.kv_total),
+            (
+                "cache_host_tokens",
+                "Tiers: cached tokens whose KV is in host memory",
+                lambda s: s.kv_host_cached_tokens,
+            ),
+            ("cache_host_capacity_tokens", "Tiers: host tier size in tokens", lambda s: s.kv_host_total),
+            (
+                "cache_disk_tokens",
+                "Tiers: cached tokens whose KV is on disk",
+                lambda s: s.kv_disk_cached_tokens,
+            ),
+            (
+                "cache_disk_used_bytes",
+                "Tiers: bytes of the disk tier's files",
+                lambda s: s.kv_disk_used_bytes,
+            ),
         )
         for name, doc, value in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)

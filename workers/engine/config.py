@@ -48,6 +48,12 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu (radix_cache.py)
+    # Tiered prefix cache (mem_cache/radix_cache.py): KV evicted from the device pool moves to
+    # host memory, from there to files on local disk, and is copied back when a prompt matches
+    # it. Sizes in GiB; 0 = no such tier. The disk tier spills from the host tier.
+    hicache_host_size: float = 0.0
+    hicache_disk_dir: str | None = None
+    hicache_disk_size: float = 0.0
     enable_overlap: bool | None = None  # None = DEFAULT_OVERLAP of the device
     attention_backend: str = "auto"  # models/attention.py: auto | cpu | torch | triton | torch_ref
     # CUDA graphs of the decode forward, one per batch-size bucket (CUDA only; tp_size 1).
@@ -122,6 +128,7 @@ class EngineConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         object.__setattr__(self, "role", Role(self.role))  # a str from YAML or the CLI becomes the enum
+        self._check_tiers()
         if self.kv_transfer not in KV_TRANSFER_CHOICES:
             raise ValueError(f"kv_transfer must be one of {KV_TRANSFER_CHOICES}, got {self.kv_transfer!r}")
         if not self.kv_transfer_timeout_s > 0:
@@ -153,6 +160,22 @@ class EngineConfig:
             raise ValueError(
                 f"deterministic mode needs the cpu attention backend, not {self.attention_backend!r}"
             )
+
+    def _check_tiers(self) -> None:
+        if self.hicache_host_size < 0 or self.hicache_disk_size < 0:
+            raise ValueError("hicache_host_size and hicache_disk_size must be >= 0")
+        if bool(self.hicache_disk_dir) != (self.hicache_disk_size > 0):
+            raise ValueError("the disk tier needs both hicache_disk_dir and hicache_disk_size > 0")
+        if not self.hicache_host_size:
+            if self.hicache_disk_dir:
+                raise ValueError("the disk tier spills from the host tier: set hicache_host_size too")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("the cache tiers sit under the radix cache: not with disable_radix_cache")
+        if self.tp_size > 1:
+            raise ValueError("the cache tiers run at tp_size 1 (each rank's KV would need its own copy)")
+        if self.role is not Role.UNIFIED:
+            raise ValueError("the cache tiers run in unified mode (not on prefill or decode pools)")
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:

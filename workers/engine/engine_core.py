@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -56,6 +58,8 @@ from radixserve.workers.executor.model_runner import ModelRunner
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.executor.tp_kv import KVLayout, fingerprint_of
 from radixserve.workers.executor.tp_leader import TPLeader
+from radixserve.workers.mem_cache.disk_tier import DiskTier
+from radixserve.workers.mem_cache.host_tier import HostTier
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.mem_cache.memory import max_tokens_for_memory
 from radixserve.workers.mem_cache.prefix_cache import NullCache
@@ -133,11 +137,16 @@ class EngineCore:
         self.req_pool = ReqToTokenPool(
             config.max_running_requests + 1, self.context_length + 1, device=self.device
         )
+        self.disk_tier = _disk_tier(config)
         self.cache = (
             NullCache(self.pool, page_size=config.page_size)
             if config.disable_radix_cache
             else RadixCache(
-                self.pool, page_size=config.page_size, eviction_policy=config.radix_eviction_policy
+                self.pool,
+                page_size=config.page_size,
+                eviction_policy=config.radix_eviction_policy,
+                host_tier=HostTier.from_gb(self.pool, config.hicache_host_size),
+                disk_tier=self.disk_tier,
             )
         )
         self.scheduler = Scheduler(config, self.pool, self.req_pool, self.cache)
@@ -253,6 +262,7 @@ class EngineCore:
             kv_free=self.pool.available(),
             kv_evictable=self.cache.evictable_size(),
             kv_protected=self.cache.protected_size(),
+            **self.cache.tier_stats(),
             num_retractions=sched.num_retractions,
             mixed_steps_total=sched.num_mixed_steps,
             watchdog_stalls_total=self.watchdog.stalls_total,
@@ -553,6 +563,18 @@ class EngineCore:
         self.grammars.close()
         self.tp.stop()
         self.connector.close()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+
+
+def _disk_tier(config: EngineConfig) -> DiskTier | None:
+    """The disk tier in a directory of this engine's own under --hicache-disk-dir (replicas on one
+    node share the parent), or None."""
+    if not config.hicache_disk_dir:
+        return None
+    os.makedirs(config.hicache_disk_dir, exist_ok=True)
+    directory = tempfile.mkdtemp(prefix="radixserve-kv-", dir=config.hicache_disk_dir)
+    return DiskTier(directory, int(config.hicache_disk_size * (1 << 30)))
 
 
 def _rids(reqs: list[Req]) -> list[str]:

@@ -52,13 +52,14 @@ class KVCacheManager:
     # Allocation ------------------------------------------------------------------------------
     def open(self, req: Req) -> bool:
         """Give the sequence a table row and its cached prefix (locked). False: no row free.
+        A prefix found in the host or disk tier is copied back onto the device first.
 
         The prefix is `match_key`'s: for a sequence that wants its prompt's logprobs it stops
         before the first position whose logits those need, so the prefill computes them all."""
         row = self.req_pool.alloc()
         if row is None:
             return False
-        match = self.cache.match_prefix(match_key(req), req.namespace)
+        match = self.cache.load_back(self.cache.match_prefix(match_key(req), req.namespace))
         self.cache.lock(match.node)
         req.row, req.table_len = row, 0
         req.kv_slots = list(match.slots)

@@ -44,6 +44,12 @@ class DiskTier:
     def _path(self, key: int) -> str:
         return os.path.join(self.directory, f"{key}.kv")
 
+    @staticmethod
+    def file_bytes(pool: KVPool, num_slots: int) -> int:
+        """The size of the file that spilling `num_slots` of `pool` writes (header included)."""
+        bufs = pool.k_buffers + pool.v_buffers
+        return _HEADER.size + num_slots * sum(b[0].numel() * b.element_size() for b in bufs)
+
     def spill(self, pool: KVPool, slots: list[int]) -> int | None:
         """Write the K/V of `slots` to a new file: its key, or None when it cannot be written."""
         idx = torch.tensor(slots, dtype=torch.long)
@@ -95,7 +101,8 @@ class DiskTier:
         per_buf = len(slots) * row
         for i, buf in enumerate(bufs):
             raw = torch.frombuffer(bytearray(payload[i * per_buf : (i + 1) * per_buf]), dtype=torch.uint8)
-            buf.index_copy_(0, idx, raw.view(buf.dtype).view(len(slots), *buf.shape[1:]))
+            src = raw.view(buf.dtype).view(len(slots), *buf.shape[1:])
+            buf.index_copy_(0, idx.to(buf.device), src.to(buf.device))
         self.bytes_read += len(data)
         return True
 
@@ -107,6 +114,15 @@ class DiskTier:
 
     def keys(self) -> list[int]:
         return list(self._sizes)
+
+    def close(self) -> None:
+        """Delete every file and the directory, if nothing else was put in it."""
+        for key in list(self._sizes):
+            self.drop(key)
+        try:
+            os.rmdir(self.directory)
+        except OSError:
+            pass
 
 
 def _remove(path: str) -> None:

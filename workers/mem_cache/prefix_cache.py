@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 class MatchResult:
     slots: list[int]  # KV slots of the matched prefix (len == matched tokens, page-aligned)
     node: object  # handle to lock/unlock; valid only while locked
+    # A tiered cache: how many tokens past `slots` the tree holds in host memory or on disk, and
+    # the deepest node of them (what `load_back` brings onto the device). 0 / None otherwise.
+    lower_tokens: int = 0
+    lower_node: object = None
 
 
 class PrefixCache(ABC):
@@ -26,6 +30,15 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def match_prefix(self, key: list[int], namespace: Hashable | None = None) -> MatchResult: ...
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Bring the part of a match held in lower tiers onto the device; the new match (a
+        cache without tiers has nothing below the device and returns it unchanged)."""
+        return match
+
+    def tier_stats(self) -> dict[str, int | float]:
+        """Per-tier counters for metrics (a cache without tiers has none)."""
+        return {}
+
     @abstractmethod
     def lock(self, node) -> None: ...
     @abstractmethod

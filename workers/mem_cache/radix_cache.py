@@ -17,30 +17,60 @@ ties broken by creation order (older node first). With eviction_policy="lfu" (SG
 --radix-eviction-policy lfu) every touch also counts a hit, and the smallest (hits, stamp, node id)
 goes first: a leaf only one request ever used (a unique question, a generated answer) is evicted
 before a prefix many requests share, however recently it was used.
+
+Tiers (HiCache's layout): with a host tier (host_tier.py) and optionally a disk tier beneath it
+(disk_tier.py), an evicted node keeps its place and tokens in the tree and its KV moves down:
+device eviction writes the node's K/V back to host slots (write-back on eviction: a prefix that is
+never evicted costs no copy), host eviction spills it to a file, disk eviction forgets it. Each
+node's KV lives in exactly one place: device slots (`value`), host slots (`host`) or a disk file
+(`disk`). The tiers are nested from the root: a device node's parent is on the device, a host
+node's parent on the device or host, so each tier evicts its own leaves (nodes with no child in
+its tier or above) in the eviction order above, with a heap of its own. `match_prefix` reports the
+device part as the match and the lower part beside it (`lower_tokens`); `load_back` copies that
+part into fresh device slots when a request is admitted, so a returning conversation reads its
+earlier turns back instead of recomputing them. A disk file is read only whole: a match or insert
+that would split a disk node forgets it and its subtree (their tokens are recomputed). Without a
+host tier nothing changes: an evicted node is detached as before.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixserve.workers.mem_cache.prefix_cache import MatchResult, PrefixCache
 
-if TYPE_CHECKING:  # the cache is torch-free bookkeeping; the pool is only duck-typed
+if TYPE_CHECKING:  # the cache is torch-free bookkeeping; the pool and tiers are only duck-typed
     from radixserve.workers.mem_cache.kv_pool import KVPool
 
 
 EVICTION_POLICIES = ("lru", "lfu")
+TIERS = ("device", "host", "disk")
 
 
 class _Node:
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "stamp", "hits", "nid", "namespace")
+    __slots__ = (
+        "key",
+        "value",
+        "host",
+        "disk",
+        "parent",
+        "children",
+        "lock_ref",
+        "stamp",
+        "hits",
+        "nid",
+        "namespace",
+    )
 
     def __init__(self, key, value, parent, stamp, nid, namespace=None, hits=1):
         self.key: list[int] = key
-        self.value: list[int] = value
+        self.value: list[int] = value  # device slots; [] while the KV lives in a lower tier
+        self.host: list[int] | None = None  # host-tier slots, when the KV lives there
+        self.disk: int | None = None  # disk-tier file key, when the KV lives there
         self.parent: _Node | None = parent
         self.children: dict = {}
         self.lock_ref = 0
@@ -52,6 +82,12 @@ class _Node:
     def touch(self, clock: int) -> None:
         self.stamp = clock
         self.hits += 1
+
+    @property
+    def tier(self) -> str:
+        if self.value or not self.key:  # a root holds no KV and counts as the device's
+            return "device"
+        return "host" if self.host is not None else "disk"
 
 
 def _as_list(xs) -> list[int]:
@@ -76,28 +112,56 @@ class RadixCache(PrefixCache):
 
     With page_size > 1 children are keyed by their first page (a tuple of page_size tokens),
     edges are whole pages, and matches are whole pages. Each namespace (tenant salt, LoRA id)
-    has its own root, so different namespaces never share nodes.
+    has its own root, so different namespaces never share nodes. `host_tier` / `disk_tier` add
+    the lower tiers described in the module docstring (None: the device pool alone).
     """
 
-    def __init__(self, pool: KVPool, page_size: int | None = None, eviction_policy: str = "lru"):
+    def __init__(
+        self,
+        pool: KVPool,
+        page_size: int | None = None,
+        eviction_policy: str = "lru",
+        host_tier: Any = None,
+        disk_tier: Any = None,
+    ):
         if eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
+        if disk_tier is not None and not getattr(host_tier, "size", 0):
+            raise ValueError("a disk tier spills from the host tier: it needs a host tier")
         self.eviction_policy = eviction_policy
         pool_page = getattr(pool, "page_size", 1)
         self.page_size = pool_page if page_size is None else page_size
         if self.page_size != pool_page:
             raise ValueError(f"RadixCache page_size {self.page_size} != pool page_size {pool_page}")
         self.pool = pool
+        self.host_tier = host_tier if getattr(host_tier, "size", 0) else None
+        self.disk_tier = disk_tier
         self._ids = itertools.count()
         self._clock = 0
+        # Tokens moved between tiers, loads and their time, and what fell out of every tier.
+        self._moves: dict[str, float] = dict.fromkeys(
+            (
+                "tier_device_to_host_tokens",
+                "tier_host_to_disk_tokens",
+                "tier_dropped_tokens",
+                "tier_host_loaded_tokens",
+                "tier_disk_loaded_tokens",
+                "tier_host_load_seconds",
+                "tier_disk_load_seconds",
+                "tier_disk_load_failures",
+            ),
+            0,
+        )
         self._reset_state()
 
     def _reset_state(self) -> None:
         self._roots: dict = {None: self._new_root(None)}
         self._evictable = 0
         self._protected = 0
-        self._heap: list = []  # (priority, nid, node); stale entries are skipped when popped
+        # Per tier: (priority, nid, node); stale entries are skipped when popped.
+        self._heaps: dict[str, list] = {t: [] for t in TIERS}
         self._num_nodes = 0
+        self._held = {"host": 0, "disk": 0}  # tokens whose KV lives in each lower tier
 
     # ----- lookup -----
     def _child_key(self, key: list[int], pos: int):
@@ -108,6 +172,7 @@ class RadixCache(PrefixCache):
         """Descend along `key` from `root`, splitting where the match ends mid-edge; touch the path.
 
         Returns the deepest node whose whole path is a prefix of key, and that prefix's length.
+        A disk node that would be split is forgotten with its subtree (files are read whole).
         """
         self._clock += 1
         node, pos, p = root, 0, self.page_size
@@ -118,21 +183,28 @@ class RadixCache(PrefixCache):
             n = _common_len(child.key, key[pos : pos + len(child.key)])
             n -= n % p
             if n < len(child.key):
+                if child.disk is not None:
+                    self._drop_subtree(child)
+                    break
                 # Only the upper part was used; the lower part keeps its stamp (and heap entry).
                 node, pos = self._split(child, n), pos + n
                 node.touch(self._clock)
+                self._push(node)
                 break
             child.touch(self._clock)
+            self._push(child)  # its stamp changed: a fresh heap entry replaces the old
             node, pos = child, pos + n
-        self._push_if_evictable(node)  # its stamp changed: a fresh heap entry replaces the old
         return node, pos
 
     def _split(self, child: _Node, n: int) -> _Node:
-        """Cut `child`'s edge after n tokens; the new upper node inherits its lock count."""
+        """Cut `child`'s edge after n tokens; the new upper node inherits its lock count and tier."""
+        assert child.disk is None, "disk nodes are never split"
         top = _Node(
             child.key[:n], child.value[:n], child.parent, child.stamp, next(self._ids), hits=child.hits
         )
         top.lock_ref = child.lock_ref
+        if child.host is not None:
+            top.host, child.host = child.host[:n], child.host[n:]
         top.children[self._child_key(child.key, n)] = child
         assert child.parent is not None  # only edges below a node are split
         child.parent.children[self._child_key(child.key, 0)] = top
@@ -140,24 +212,97 @@ class RadixCache(PrefixCache):
         self._num_nodes += 1
         return top
 
-    def _path_slots(self, node: _Node) -> list[int]:
-        parts = []
+    @staticmethod
+    def _path(node: _Node) -> list[_Node]:
+        """The nodes from below the root down to `node`."""
+        out = []
         while node.parent is not None:
-            parts.append(node.value)
+            out.append(node)
             node = node.parent
-        return [s for part in reversed(parts) for s in part]
+        out.reverse()
+        return out
+
+    def _path_slots(self, node: _Node) -> list[int]:
+        return [s for n in self._path(node) for s in n.value]
+
+    @staticmethod
+    def _device_ancestor(node: _Node) -> _Node:
+        """The deepest node on node's path whose KV is on the device (a root counts)."""
+        while node.tier != "device":
+            assert node.parent is not None
+            node = node.parent
+        return node
+
+    def _match(self, node: _Node, pos: int) -> MatchResult:
+        dev = self._device_ancestor(node)
+        slots = self._path_slots(dev)
+        lower = pos - len(slots)
+        return MatchResult(slots, dev, lower, node if lower else None)
 
     def match_prefix(self, key: list[int], namespace: Hashable | None = None) -> MatchResult:
         """Longest cached prefix of `key`, rounded down to whole pages; updates LRU stamps.
 
         Callers pass key = tokens[:-1] so a fully cached prompt still computes its last token.
-        Lock the returned node before anything can evict.
+        Lock the returned node before anything can evict. The match is the device part; what
+        lies below it in the host or disk tier is `lower_tokens` (see `load_back`).
         """
         root = self._roots.get(namespace)
         if root is None:
             return MatchResult([], self._roots[None])
-        node, _ = self._walk(root, _as_list(key))
-        return MatchResult(self._path_slots(node), node)
+        node, pos = self._walk(root, _as_list(key))
+        return self._match(node, pos)
+
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Copy the lower-tier part of `match` into fresh device slots, top node first, as far as
+        the device pool has room (evicting other prefixes for it); the match that results.
+
+        A disk file that fails its check is forgotten with its subtree, and the match ends above
+        it: those tokens are recomputed. Synchronous: a host load is a copy, a disk load a file
+        read on the calling thread."""
+        if not match.lower_tokens:
+            return match
+        target = match.lower_node
+        assert isinstance(target, _Node)
+        self.lock(target)  # pins the path: no tier evicts it while slots are found for it
+        failed = None
+        loaded = 0
+        for node in self._path(target):
+            if node.tier == "device":
+                continue
+            slots = self._alloc_device(len(node.key))
+            if slots is None:
+                break
+            start, tier = time.perf_counter(), node.tier
+            if tier == "host":
+                self.host_tier.load(node.host, slots)
+                self._forget_copy(node)
+            elif self.disk_tier.fetch(node.disk, self.pool, slots):
+                self._forget_copy(node)
+            else:
+                self.pool.free(slots)
+                self._moves["tier_disk_load_failures"] += 1
+                failed = node
+                break
+            self._moves[f"tier_{tier}_load_seconds"] += time.perf_counter() - start
+            self._moves[f"tier_{tier}_loaded_tokens"] += len(slots)
+            node.value = slots
+            self._protected += len(slots)  # locked (by the pin) and now on the device
+            loaded += len(slots)
+        self.unlock(target)
+        deepest = self._device_ancestor(target if failed is None else failed.parent)
+        if failed is not None:
+            self._drop_subtree(failed)
+        out = self._match(deepest, len(match.slots) + loaded)
+        if failed is None and out.node is not target:  # stopped for room: the rest stays below
+            out.lower_tokens, out.lower_node = match.lower_tokens - loaded, target
+        return out
+
+    def _alloc_device(self, n: int) -> list[int] | None:
+        slots = self.pool.alloc(n)
+        if slots is None:
+            self.evict(n - self.pool.available() + self.page_size)
+            slots = self.pool.alloc(n)
+        return slots
 
     # ----- locks -----
     def lock(self, node) -> None:
@@ -176,24 +321,40 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._protected -= len(node.value)
                 self._evictable += len(node.value)
-                self._push_if_evictable(node)
+                self._push(node)
             node = node.parent
 
     # ----- insert -----
     def _insert(self, key: list[int], slots: list[int], namespace) -> tuple[_Node, list[int]]:
-        """Insert a page-aligned key; return the deepest node and the caller's duplicate slots."""
+        """Insert a page-aligned key; return the deepest node and the caller's duplicate slots.
+
+        Nodes on the path whose KV lies in a lower tier take the caller's slots instead (the
+        caller computed those tokens again): their lower-tier copy is given up."""
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = self._new_root(namespace)
         node, pos = self._walk(root, key)
-        tree_slots = self._path_slots(node) if pos else []
-        dups = [c for t, c in zip(tree_slots, slots) if t != c]
+        dups: list[int] = []
+        off = 0
+        for n in self._path(node) if pos else []:
+            mine = slots[off : off + len(n.key)]
+            if n.value:
+                dups.extend(c for t, c in zip(n.value, mine) if t != c)
+            else:
+                self._forget_copy(n)
+                n.value = list(mine)
+                if n.lock_ref:
+                    self._protected += len(mine)
+                else:
+                    self._evictable += len(mine)
+                self._push(n)
+            off += len(n.key)
         if pos < len(key):
             leaf = _Node(key[pos:], list(slots[pos:]), node, self._clock, next(self._ids))
             node.children[self._child_key(key, pos)] = leaf
             self._evictable += len(leaf.value)
             self._num_nodes += 1
-            self._push_if_evictable(leaf)
+            self._push(leaf)
             node = leaf
         return node, dups
 
@@ -233,48 +394,148 @@ class RadixCache(PrefixCache):
         """Eviction order key: smallest first. Changes whenever the node is touched."""
         return (node.hits, node.stamp) if self.eviction_policy == "lfu" else (node.stamp,)
 
-    def _push_if_evictable(self, node: _Node) -> None:
-        if node.parent is not None and not node.children and node.lock_ref == 0:
-            heapq.heappush(self._heap, (self._priority(node), node.nid, node))
-            if len(self._heap) > 2 * self._num_nodes + 64:
-                self._rebuild_heap()
+    def _evictable_in(self, node: _Node, tier: str) -> bool:
+        """Whether `node` is a leaf that `tier` may evict: unlocked, its KV in that tier, and no
+        child holding KV in that tier or above."""
+        if node.parent is None or node.lock_ref or node.tier != tier:
+            return False
+        if tier == "disk" or self.host_tier is None:
+            return not node.children
+        above = ("device",) if tier == "device" else ("device", "host")
+        return not any(c.tier in above for c in node.children.values())
 
-    def _rebuild_heap(self) -> None:
+    def _push(self, node: _Node) -> None:
+        """Give `node` a fresh entry in the heap of its tier if it is a leaf there."""
+        tier = node.tier
+        if not self._evictable_in(node, tier):
+            return
+        heap = self._heaps[tier]
+        heapq.heappush(heap, (self._priority(node), node.nid, node))
+        if len(heap) > 2 * self._num_nodes + 64:
+            self._rebuild_heap(tier)
+
+    def _rebuild_heap(self, tier: str) -> None:
         """Drop stale entries; amortized O(1) per push since it runs when they dominate."""
-        self._heap = [(self._priority(n), n.nid, n) for n in self._nodes() if self._is_evictable_leaf(n)]
-        heapq.heapify(self._heap)
+        heap = [(self._priority(n), n.nid, n) for n in self._nodes() if self._evictable_in(n, tier)]
+        heapq.heapify(heap)
+        self._heaps[tier] = heap
 
-    @staticmethod
-    def _is_evictable_leaf(node: _Node) -> bool:
-        return node.parent is not None and not node.children and node.lock_ref == 0
+    def _entry_valid(self, tier: str, priority, node: _Node) -> bool:
+        return self._evictable_in(node, tier) and self._priority(node) == priority
 
-    def _entry_valid(self, priority, node: _Node) -> bool:
-        return self._is_evictable_leaf(node) and self._priority(node) == priority
+    def _pop(self, tier: str) -> _Node | None:
+        """The tier's next leaf in eviction order, or None when it has none."""
+        heap = self._heaps[tier]
+        while heap:
+            priority, _, node = heapq.heappop(heap)
+            if self._entry_valid(tier, priority, node):
+                return node
+        return None
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least num_tokens slots from unlocked leaves, in eviction order (see above).
+        """Free at least num_tokens device slots from unlocked leaves, in eviction order (see
+        above); with a host tier their KV moves there instead of being forgotten.
 
         Returns how many slots were freed (fewer when not enough is evictable).
         """
         freed = 0
-        while freed < num_tokens and self._heap:
-            priority, _, node = heapq.heappop(self._heap)
-            if not self._entry_valid(priority, node):
-                continue
-            self.pool.free(node.value)
-            freed += len(node.value)
-            self._evictable -= len(node.value)
-            self._detach(node)
+        while freed < num_tokens:
+            node = self._pop("device")
+            if node is None:
+                break
+            host = self._write_back(node.value)  # may evict host leaves, never this node
+            slots, node.value = node.value, []
+            self._evictable -= len(slots)
+            if host is None:
+                self._drop_subtree(node, pending=len(slots))
+            else:
+                node.host = host
+                self._held["host"] += len(slots)
+                self._moves["tier_device_to_host_tokens"] += len(slots)
+                self._push(node)
+                self._push(node.parent)  # may now be a device leaf
+            self.pool.free(slots)
+            freed += len(slots)
         return freed
+
+    def _write_back(self, slots: list[int]) -> list[int] | None:
+        """Host slots now holding the K/V of device `slots`, or None (no host tier, or no room
+        even after the host tier evicted every leaf it could)."""
+        host = self.host_tier
+        if host is None:
+            return None
+        if host.available() < len(slots):
+            self._evict_host(len(slots) - host.available())
+        return host.write_back(slots)
+
+    def _evict_host(self, num_tokens: int) -> None:
+        """Free host slots from the host tier's leaves: spilled to disk, or forgotten."""
+        freed = 0
+        while freed < num_tokens:
+            node = self._pop("host")
+            if node is None:
+                break
+            key = self._spill(node.host)  # may evict disk leaves, never this node
+            n = self._forget_copy(node)
+            if key is None:
+                self._drop_subtree(node, pending=n)
+            else:
+                node.disk = key
+                self._held["disk"] += n
+                self._moves["tier_host_to_disk_tokens"] += n
+                self._push(node)
+                self._push(node.parent)
+            freed += n
+
+    def _spill(self, host_slots: list[int]) -> int | None:
+        disk = self.disk_tier
+        if disk is None:
+            return None
+        need = disk.file_bytes(self.host_tier.pool, len(host_slots))
+        while disk.used_bytes + need > disk.max_bytes:
+            node = self._pop("disk")
+            if node is None:
+                return None
+            self._drop_subtree(node)
+        return disk.spill(self.host_tier.pool, host_slots)
+
+    def _forget_copy(self, node: _Node) -> int:
+        """Give up a node's lower-tier copy (host slots or disk file); its token count."""
+        if node.host is not None:
+            self.host_tier.free(node.host)
+            node.host = None
+            self._held["host"] -= len(node.key)
+        elif node.disk is not None:
+            self.disk_tier.drop(node.disk)
+            node.disk = None
+            self._held["disk"] -= len(node.key)
+        else:
+            return 0
+        return len(node.key)
+
+    def _drop_subtree(self, node: _Node, pending: int = 0) -> None:
+        """Detach an unlocked node with no device KV below it, forgetting every lower-tier copy in
+        its subtree. `pending`: device tokens of `node` being evicted (counted as dropped)."""
+        dropped, stack = pending, [node]
+        while stack:
+            n = stack.pop()
+            assert not n.value and not n.lock_ref, "only unlocked KV off the device is dropped"
+            dropped += self._forget_copy(n)
+            stack.extend(n.children.values())
+            if n is not node:
+                n.parent = None  # its heap entries go stale with it
+                self._num_nodes -= 1
+        self._moves["tier_dropped_tokens"] += dropped
+        self._detach(node)
 
     def _detach(self, node: _Node) -> None:
         parent = node.parent
-        assert parent is not None  # only attached leaves are evicted
+        assert parent is not None  # only attached nodes are detached
         del parent.children[self._child_key(node.key, 0)]
         node.parent = None
         self._num_nodes -= 1
         if parent.parent is not None:
-            self._push_if_evictable(parent)
+            self._push(parent)
         elif not parent.children and parent.namespace is not None:
             del self._roots[parent.namespace]  # an empty namespace root is not worth keeping
 
@@ -284,6 +545,28 @@ class RadixCache(PrefixCache):
 
     def protected_size(self) -> int:
         return self._protected
+
+    def tier_stats(self) -> dict[str, int | float]:
+        if self.host_tier is None:
+            return {}
+        held = self._held  # counters, not a walk: other threads read stats while the tree changes
+        out: dict[str, int | float] = {k: round(v, 6) for k, v in self._moves.items()}
+        out.update(
+            kv_host_total=self.host_tier.size,
+            kv_host_cached_tokens=held["host"],
+            kv_host_bytes_written=self.host_tier.bytes_written,
+            kv_host_bytes_loaded=self.host_tier.bytes_loaded,
+        )
+        disk = self.disk_tier
+        if disk is not None:
+            out.update(
+                kv_disk_cached_tokens=held["disk"],
+                kv_disk_used_bytes=disk.used_bytes,
+                kv_disk_max_bytes=disk.max_bytes,
+                kv_disk_bytes_written=disk.bytes_written,
+                kv_disk_bytes_read=disk.bytes_read,
+            )
+        return out
 
     def _new_root(self, namespace) -> _Node:
         return _Node([], [], None, 0, next(self._ids), namespace)
@@ -314,33 +597,66 @@ class RadixCache(PrefixCache):
         return out
 
     def reset(self) -> bool:
-        """Drop the whole tree (flush_cache); refuses and returns False if anything is locked."""
+        """Drop the whole tree (flush_cache), every tier's copies with it; refuses and returns
+        False if anything is locked."""
         if self._protected:
             return False
-        slots = [s for node in self._nodes() for s in node.value]
-        self.pool.free(slots)
+        nodes = list(self._nodes())
+        self.pool.free([s for node in nodes for s in node.value])
+        for node in nodes:
+            self._forget_copy(node)
         self._reset_state()
         return True
 
     def check_integrity(self) -> None:
-        """Raise AssertionError when sizes, locks, links, slots or the eviction heap disagree."""
+        """Raise AssertionError when sizes, locks, links, slots, tiers or the eviction heaps
+        disagree. The tier invariant: every node's KV is in exactly one tier, the tiers nest from
+        the root, and every host slot and disk file is one node's or free."""
         p, seen, sizes = self.page_size, set(), [0, 0]
         is_free = getattr(self.pool, "is_free", None)
-        heap_ok = {id(n) for s, _, n in self._heap if self._entry_valid(s, n)}
+        heap_ok = {
+            (t, id(n)) for t, heap in self._heaps.items() for s, _, n in heap if self._entry_valid(t, s, n)
+        }
+        host_seen: set[int] = set()
+        disk_seen: set[int] = set()
+        order = {t: i for i, t in enumerate(TIERS)}
+        held = {"host": 0, "disk": 0}
         count = 0
         for node in self._nodes():
             count += 1
-            assert node.key and len(node.key) == len(node.value) and len(node.key) % p == 0
+            tier = node.tier
+            assert node.key and len(node.key) % p == 0
             assert node.parent.children.get(self._child_key(node.key, 0)) is node
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0
-            for i, s in enumerate(node.value):
-                assert s >= p and s % p == i % p and s - i % p == node.value[i - i % p], s
-                assert s not in seen, f"slot {s} held twice"
-                assert is_free is None or not is_free(s), f"slot {s} is in tree and free"
-                seen.add(s)
-            sizes[node.lock_ref > 0] += len(node.value)
-            if self._is_evictable_leaf(node):
-                assert id(node) in heap_ok, "evictable leaf missing from the eviction heap"
+            places = bool(node.value) + (node.host is not None) + (node.disk is not None)
+            assert places == 1, f"node {node.nid} holds its KV in {places} places"
+            assert order[node.parent.tier] <= order[tier], "tiers must nest from the root"
+            assert tier == "device" or not node.lock_ref, "only device KV is locked"
+            if tier == "device":
+                assert len(node.key) == len(node.value)
+                for i, s in enumerate(node.value):
+                    assert s >= p and s % p == i % p and s - i % p == node.value[i - i % p], s
+                    assert s not in seen, f"slot {s} held twice"
+                    assert is_free is None or not is_free(s), f"slot {s} is in tree and free"
+                    seen.add(s)
+                sizes[node.lock_ref > 0] += len(node.value)
+            elif tier == "host":
+                held["host"] += len(node.key)
+                assert len(node.host) == len(node.key)
+                assert not host_seen.intersection(node.host), "host slot held twice"
+                assert not any(self.host_tier.pool.is_free(s) for s in node.host)
+                host_seen.update(node.host)
+            else:
+                held["disk"] += len(node.key)
+                assert node.disk not in disk_seen, "disk file held twice"
+                disk_seen.add(node.disk)
+            if self._evictable_in(node, tier):
+                assert (tier, id(node)) in heap_ok, f"evictable {tier} leaf missing from its heap"
         assert sizes == [self._evictable, self._protected], (sizes, self._evictable, self._protected)
         assert count == self._num_nodes, (count, self._num_nodes)
+        assert held == self._held, (held, self._held)
         assert self._roots[None].namespace is None
+        if self.host_tier is not None:
+            assert self.host_tier.available() + len(host_seen) == self.host_tier.size, "host slot leaked"
+        if self.disk_tier is not None:
+            assert disk_seen == set(self.disk_tier.keys()), "disk file leaked or missing"

@@ -1,0 +1,269 @@
+"""The radix tree with host and disk tiers beneath it: eviction moves KV down (device -> host ->
+disk -> gone), a match reports what lies below the device and `load_back` copies it into fresh
+device slots with the very K/V that was evicted; every failure of the disk (a corrupt file, a full
+budget) ends in recomputation, never in a wrong value; the tier invariant holds after every step of
+a randomized run whose K/V contents are checked on every hit."""
+
+import logging
+import os
+import random
+
+import pytest
+import torch
+
+from radixserve.workers.mem_cache.disk_tier import DiskTier
+from radixserve.workers.mem_cache.host_tier import HostTier
+from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.mem_cache.prefix_cache import kv_invariant_ok
+from radixserve.workers.mem_cache.radix_cache import RadixCache
+
+
+def fingerprint(ns, tokens) -> float:
+    return float(hash((ns, tuple(tokens))) % (1 << 20))
+
+
+class Tiered:
+    """A device pool with tiers, and a model of what every device slot must hold: K row
+    [fingerprint of (namespace, tokens up to the position), position] in every layer."""
+
+    def __init__(self, tmp_path, device=16, host=16, disk_bytes=1 << 20, page_size=1, layers=2):
+        self.p = page_size
+        self.pool = KVPool(layers, 1, 2, device, dtype=torch.float32, page_size=page_size)
+        self.host = HostTier(self.pool, host)
+        self.disk = DiskTier(str(tmp_path / "kv"), disk_bytes) if disk_bytes else None
+        self.cache = RadixCache(self.pool, page_size, host_tier=self.host, disk_tier=self.disk)
+
+    def write(self, ns, tokens, slots, start=0):
+        for i, s in enumerate(slots, start=start):
+            row = torch.tensor([fingerprint(ns, tokens[: i + 1]), float(i)])
+            for layer, (k, v) in enumerate(zip(self.pool.k_buffers, self.pool.v_buffers)):
+                k[s, 0] = row + layer
+                v[s, 0] = -row - layer
+
+    def assert_holds(self, ns, tokens, slots):
+        for i, s in enumerate(slots):
+            row = torch.tensor([fingerprint(ns, tokens[: i + 1]), float(i)])
+            for layer, (k, v) in enumerate(zip(self.pool.k_buffers, self.pool.v_buffers)):
+                assert torch.equal(k[s, 0], row + layer), (i, s)
+                assert torch.equal(v[s, 0], -row - layer), (i, s)
+
+    def alloc(self, n, last=None):
+        slots = self.pool.alloc(n, last)
+        if slots is None:
+            self.cache.evict(n + self.p - self.pool.available())
+            slots = self.pool.alloc(n, last)
+        return slots
+
+    def run(self, tokens, ns=None):
+        """One whole request: match (loading the lower tiers back), lock, compute the rest, finish.
+        Returns (device hit, loaded from lower tiers)."""
+        m = self.cache.match_prefix(tokens[:-1], ns)
+        device_hit = len(m.slots)
+        m = self.cache.load_back(m)
+        self.assert_holds(ns, tokens, m.slots)
+        self.cache.lock(m.node)
+        new = self.alloc(len(tokens) - len(m.slots), m.slots[-1] if m.slots else None)
+        assert new is not None
+        self.write(ns, tokens, new, start=len(m.slots))
+        self.cache.cache_finished(tokens, m.slots + new, m.node, ns)
+        self.cache.check_integrity()
+        return device_hit, len(m.slots) - device_hit
+
+    def where(self, tokens, ns=None) -> tuple[int, int]:
+        m = self.cache.match_prefix(tokens, ns)
+        return len(m.slots), m.lower_tokens
+
+
+def test_an_evicted_prefix_moves_to_host_and_loads_back_with_its_kv(tmp_path):
+    t = Tiered(tmp_path, device=8, host=8, disk_bytes=0)
+    a = [1, 2, 3, 4, 5, 6]
+    assert t.run(a) == (0, 0)
+    assert t.cache.evict(6) == 6  # the whole path goes to the host tier
+    assert t.pool.available() == 8 and t.host.available() == 2
+    assert t.where(a) == (0, 6)
+    stats = t.cache.tier_stats()
+    assert stats["tier_device_to_host_tokens"] == 6 and stats["kv_host_cached_tokens"] == 6
+    assert t.run(a + [7]) == (0, 6)  # read back, the K/V checked in run
+    stats = t.cache.tier_stats()
+    assert stats["tier_host_loaded_tokens"] == 6 and stats["kv_host_cached_tokens"] == 0
+    assert t.host.available() == 8 and t.where(a + [7]) == (7, 0)
+    assert kv_invariant_ok(t.pool, t.cache)
+
+
+def test_host_eviction_spills_to_disk_and_the_disk_loads_back(tmp_path):
+    t = Tiered(tmp_path, device=8, host=8)
+    a, b, c = [1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]
+    for seq in (a, b, c):  # each new one evicts an older one down a tier
+        t.run(seq)
+    for seq in (a, b, c):
+        t.cache.match_prefix(seq[:-1])  # no reorder: stamps refreshed in order a, b, c
+    t.cache.evict(8)  # b, c (and a) leave the device; the host holds 8: a goes on to disk
+    assert t.cache.tier_stats()["tier_host_to_disk_tokens"] >= 4
+    assert t.where(a) == (0, 4) and len(t.disk.keys()) >= 1
+    assert t.run(a + [9]) == (0, 4)
+    assert t.cache.tier_stats()["tier_disk_loaded_tokens"] == 4
+    assert t.where(b) == (0, 4) and t.where(c) == (0, 4)
+    assert t.run(b + [9]) == (0, 4) and t.run(c + [9]) == (0, 4)
+
+
+def test_a_corrupt_disk_file_is_recomputed_and_forgotten_with_its_subtree(tmp_path, caplog):
+    t = Tiered(tmp_path, device=12, host=4)
+    a = [1, 2, 3, 4]
+    t.run(a)
+    t.run(a + [5, 6, 7, 8])  # a's node and a child below it
+    t.cache.evict(8)  # the child, then a: host full, the child spills to disk
+    t.cache.evict(8)
+    assert t.where(a + [5, 6, 7, 8]) == (0, 8)
+    for key in t.disk.keys():
+        path = os.path.join(t.disk.directory, f"{key}.kv")
+        raw = bytearray(open(path, "rb").read())
+        raw[-1] ^= 0xFF
+        open(path, "wb").write(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        device_hit, loaded = t.run(a + [5, 6, 7, 8, 9])
+    assert device_hit == 0 and loaded == 4  # a came from the host; the rest was recomputed
+    assert "unreadable" in caplog.text and t.cache.tier_stats()["tier_disk_load_failures"] == 1
+    assert t.disk.keys() == [] and os.listdir(t.disk.directory) == []
+    assert t.where(a + [5, 6, 7, 8, 9]) == (9, 0)
+
+
+def test_a_full_disk_budget_drops_its_oldest_files_and_then_forgets(tmp_path):
+    file_bytes = DiskTier.file_bytes(KVPool(2, 1, 2, 1, dtype=torch.float32), 4)
+    t = Tiered(tmp_path, device=4, host=4, disk_bytes=2 * file_bytes)
+    seqs = [[k] * 4 for k in range(1, 6)]
+    for seq in seqs:
+        t.run(seq)  # each evicts the one before: down a tier, and the oldest out of the last
+    assert t.disk.used_bytes == 2 * file_bytes and len(t.disk.keys()) == 2
+    assert t.cache.tier_stats()["tier_dropped_tokens"] == 4
+    assert t.where(seqs[0]) == (0, 0)  # the oldest fell out of every tier
+    assert [t.where(seq) for seq in seqs[1:]] == [(0, 4), (0, 4), (0, 4), (4, 0)]
+    assert t.run(seqs[3][:3] + [0]) == (0, 3)  # a host node is split and its upper part loaded
+
+
+def test_recomputing_a_prefix_that_lies_below_the_device_adopts_the_new_slots(tmp_path):
+    t = Tiered(tmp_path, device=8, host=8, disk_bytes=0)
+    a = [1, 2, 3, 4]
+    t.run(a)
+    t.cache.evict(4)
+    assert t.where(a) == (0, 4)
+    # A request that did not load it back (as if the device had no room then) computes it again.
+    m = t.cache.match_prefix(a[:-1])
+    t.cache.lock(m.node)
+    slots = t.alloc(4)
+    t.write(None, a, slots)
+    t.cache.cache_finished(a, slots, m.node)
+    t.cache.check_integrity()
+    assert t.where(a) == (4, 0) and t.host.available() == 8  # the host copy was given up
+
+
+def test_a_disk_node_is_forgotten_rather_than_split(tmp_path):
+    t = Tiered(tmp_path, device=8, host=8)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    t.run(a)
+    t.run([9] * 8)  # a -> host
+    t.run([8] * 8)  # [9]*8 -> host, a -> disk
+    assert t.where(a) == (0, 8) and len(t.disk.keys()) == 1
+    assert t.run([1, 2, 3, 4, 7, 7]) == (0, 0)  # diverges inside a's file: it is recomputed
+    assert 1 not in t.disk.keys() and t.cache.tier_stats()["tier_dropped_tokens"] == 8
+    assert t.where(a) == (4, 0)  # the new request's [1, 2, 3, 4] is there now
+
+
+def test_reset_empties_every_tier(tmp_path):
+    t = Tiered(tmp_path, device=8, host=8)
+    for k in range(1, 6):
+        t.run([k] * 4)
+    assert t.cache.tier_stats()["kv_host_cached_tokens"] > 0
+    assert t.cache.reset()
+    t.cache.check_integrity()
+    assert t.host.available() == t.host.size and t.disk.keys() == [] and t.disk.used_bytes == 0
+    assert t.pool.available() == t.pool.size
+
+
+def test_without_a_host_tier_eviction_forgets_as_before(tmp_path):
+    pool = KVPool(1, 1, 2, 8, dtype=torch.float32)
+    cache = RadixCache(pool)
+    m = cache.match_prefix([1, 2, 3])
+    cache.lock(m.node)
+    cache.cache_finished([1, 2, 3, 4], pool.alloc(4), m.node)
+    assert cache.evict(4) == 4 and cache.match_prefix([1, 2, 3, 4]).lower_tokens == 0
+    assert cache.tier_stats() == {}
+    with pytest.raises(ValueError, match="needs a host tier"):
+        RadixCache(pool, disk_tier=DiskTier(str(tmp_path), 1 << 20))
+
+
+class Sim:
+    """Requests driven against a tiered cache, several at a time, chunk by chunk; every hit's K/V
+    is checked against what was written for those tokens."""
+
+    def __init__(self, tmp_path, rng, page_size):
+        self.rng, self.p = rng, page_size
+        self.t = Tiered(tmp_path, device=48, host=24, disk_bytes=6 * 4 * 2 * 2 * 4 * 12, page_size=page_size)
+        self.active = []
+
+    def start(self):
+        base = self.rng.choice([[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7], [9], []])
+        tail = [self.rng.randint(0, 1) for _ in range(self.rng.randint(1, 12))]
+        toks = base[: self.rng.randint(0, len(base))] + tail
+        ns = self.rng.choice([None, None, "t"])
+        c = self.t.cache
+        m = c.match_prefix(toks[:-1], ns)
+        if self.rng.random() < 0.8:
+            m = c.load_back(m)
+        self.t.assert_holds(ns, toks, m.slots)
+        c.lock(m.node)
+        self.active.append(dict(tokens=toks, ns=ns, slots=list(m.slots), tree_len=len(m.slots), node=m.node))
+
+    def compute(self, req):
+        left = len(req["tokens"]) - len(req["slots"])
+        n = self.rng.randint(0, left)
+        new = self.t.alloc(n, req["slots"][-1] if req["slots"] else None)
+        if new is None:
+            return
+        self.t.write(req["ns"], req["tokens"], new, start=len(req["slots"]))
+        req["slots"] += new
+        if self.rng.random() < 0.5:
+            k = len(req["slots"])
+            r = self.t.cache.cache_unfinished(req["tokens"][:k], req["slots"], req["node"], req["ns"])
+            req.update(slots=r.slots, node=r.node, tree_len=k - k % self.p)
+            self.t.assert_holds(req["ns"], req["tokens"], r.slots)
+
+    def finish(self, req):
+        self.active.remove(req)
+        k = len(req["slots"])
+        self.t.cache.cache_finished(req["tokens"][:k], req["slots"], req["node"], req["ns"])
+
+    def check(self):
+        self.t.cache.check_integrity()
+        pages = {s // self.p for r in self.active for s in r["slots"][r["tree_len"] :]}
+        c, pool = self.t.cache, self.t.pool
+        assert pool.available() + c.evictable_size() + c.protected_size() + len(pages) * self.p == pool.size
+
+    def step(self):
+        op = self.rng.random()
+        if op < 0.3 and len(self.active) < 4:
+            self.start()
+        elif op < 0.6 and self.active:
+            self.compute(self.rng.choice(self.active))
+        elif op < 0.85 and self.active:
+            self.finish(self.rng.choice(self.active))
+        elif op < 0.95:
+            self.t.cache.evict(self.rng.randint(1, 12))
+        elif op > 0.995 and not self.active:
+            assert self.t.cache.reset() is True
+        self.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_tiers_keep_the_invariant_and_the_kv(tmp_path, seed, page_size):
+    sim = Sim(tmp_path, random.Random(seed * 10 + page_size), page_size)
+    for _ in range(1500):
+        sim.step()
+    while sim.active:
+        sim.finish(sim.active[0])
+    sim.check()
+    stats = sim.t.cache.tier_stats()
+    assert stats["tier_host_loaded_tokens"] > 0 and stats["tier_disk_loaded_tokens"] > 0, stats
+    assert kv_invariant_ok(sim.t.pool, sim.t.cache)
+    assert sim.t.cache.reset()
+    assert sim.t.host.available() == sim.t.host.size and sim.t.disk.keys() == []
