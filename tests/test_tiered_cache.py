@@ -267,3 +267,123 @@ def test_randomized_tiers_keep_the_invariant_and_the_kv(tmp_path, seed, page_siz
     assert kv_invariant_ok(sim.t.pool, sim.t.cache)
     assert sim.t.cache.reset()
     assert sim.t.host.available() == sim.t.host.size and sim.t.disk.keys() == []
+
+
+def test_the_tier_flags_are_checked():
+    from radixserve.workers.engine.config import EngineConfig
+
+    EngineConfig(hicache_host_size=0.5, hicache_disk_dir="/tmp/kv", hicache_disk_size=1)
+    for bad, match in (
+        (dict(hicache_host_size=-1), ">= 0"),
+        (dict(hicache_host_size=1, hicache_disk_dir="/tmp/kv"), "both"),
+        (dict(hicache_host_size=1, hicache_disk_size=1), "both"),
+        (dict(hicache_disk_dir="/tmp/kv", hicache_disk_size=1), "host tier"),
+        (dict(hicache_host_size=1, disable_radix_cache=True), "radix cache"),
+        (dict(hicache_host_size=1, tp_size=2), "tp_size 1"),
+        (dict(hicache_host_size=1, role="decode"), "unified"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
+
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def conversations(tokenizer, n=6):
+    """n conversations, each opening with its own ~100-token document; turns in rounds."""
+    docs = [
+        f"Document {i}: " + " ".join(f"item {i}-{j} is worth {i * j + 3} coins;" for j in range(14))
+        for i in range(n)
+    ]
+    return [tokenizer.encode(d) for d in docs]
+
+
+def chat_rounds(engine, openings, turns=3):
+    """Every conversation's first turn, then every second turn, ...: each prompt is the whole
+    history (earlier prompts and answers) plus a question. Returns outputs and cached tokens."""
+    question = engine.tokenizer.encode(" What next?")
+    history = [list(o) for o in openings]
+    outputs, cached = [], []
+    for _ in range(turns):
+        for h in history:
+            out = engine.generate(input_ids=h + question, sampling_params=GREEDY)
+            outputs.append(out["output_ids"])
+            cached.append(out["meta_info"]["cached_tokens"])
+            h.extend(question + out["output_ids"])
+    return outputs, cached
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from radixserve.workers import Engine
+
+    common = dict(dtype="float32", max_total_tokens=640, chunked_prefill_size=128)
+    plain = Engine(**common)
+    tiered = Engine(
+        **common,
+        hicache_host_size=0.01,  # ~230 tokens of this model's fp32 KV
+        hicache_disk_dir=str(tmp_path_factory.mktemp("kv")),
+        hicache_disk_size=0.25,
+    )
+    yield plain, tiered
+    plain.shutdown()
+    tiered.shutdown()
+
+
+def test_returning_turns_load_from_the_tiers_and_answer_as_recomputation_does(engines):
+    from tests.engine_utils import assert_kv_invariant
+
+    plain, tiered = engines
+    openings = conversations(plain.tokenizer)
+    want, cached_plain = chat_rounds(plain, openings)
+    got, cached_tiered = chat_rounds(tiered, openings)
+    assert got == want  # greedy tokens, fp32: loaded K/V is the K/V that was computed
+    n = len(openings)
+    returning = slice(n, None)
+    assert sum(cached_tiered[returning]) > 2 * sum(cached_plain[returning]) + 400, (cached_plain, cached_tiered)
+    s = tiered.stats()
+    assert s["tier_device_to_host_tokens"] > 0 and s["tier_host_to_disk_tokens"] > 0, s
+    # Turns in rounds: a conversation comes back after all the others went through the pool,
+    # by then mostly on disk (the host tier here holds ~230 tokens).
+    assert s["tier_host_loaded_tokens"] + s["tier_disk_loaded_tokens"] >= 1000, s
+    assert s["tier_disk_loaded_tokens"] > 0 and s["kv_disk_bytes_written"] > 0 and s["tier_disk_load_failures"] == 0
+    assert_kv_invariant(tiered)
+    assert_kv_invariant(plain)
+
+
+def test_corrupt_disk_files_are_recomputed_with_the_same_answers(engines, caplog):
+    from tests.engine_utils import assert_kv_invariant
+
+    plain, tiered = engines
+    openings = conversations(plain.tokenizer, n=10)
+    openings = [o + plain.tokenizer.encode(" Second pass.") for o in openings]
+    want, _ = chat_rounds(plain, openings, turns=2)
+    tiered.flush_cache()
+    # First turns fill the tiers; then every file on disk is damaged before the second round.
+    question = tiered.tokenizer.encode(" What next?")
+    firsts = [tiered.generate(input_ids=o + question, sampling_params=GREEDY)["output_ids"] for o in openings]
+    disk = tiered.core.disk_tier
+    assert disk.keys(), "the first round should have spilled to disk"
+    for key in disk.keys():
+        path = os.path.join(disk.directory, f"{key}.kv")
+        raw = bytearray(open(path, "rb").read())
+        raw[len(raw) // 2] ^= 0x5A
+        open(path, "wb").write(bytes(raw))
+    before = tiered.stats()["tier_disk_load_failures"]
+    with caplog.at_level(logging.WARNING):
+        seconds = [
+            tiered.generate(input_ids=o + question + f + question, sampling_params=GREEDY)["output_ids"]
+            for o, f in zip(openings, firsts)
+        ]
+    assert firsts + seconds == want
+    assert tiered.stats()["tier_disk_load_failures"] > before and "unreadable" in caplog.text
+    assert_kv_invariant(tiered)
+
+
+def test_flush_and_shutdown_leave_no_file_behind(engines):
+    _, tiered = engines
+    disk = tiered.core.disk_tier
+    assert tiered.flush_cache()
+    assert disk.keys() == [] and os.listdir(disk.directory) == []
+    s = tiered.stats()
+    assert s["kv_host_cached_tokens"] == s["kv_disk_cached_tokens"] == 0

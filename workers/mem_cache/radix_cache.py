@@ -149,6 +149,8 @@ class RadixCache(PrefixCache):
                 "tier_host_load_seconds",
                 "tier_disk_load_seconds",
                 "tier_disk_load_failures",
+                "tier_host_write_seconds",
+                "tier_disk_write_seconds",
             ),
             0,
         )
@@ -466,7 +468,10 @@ class RadixCache(PrefixCache):
             return None
         if host.available() < len(slots):
             self._evict_host(len(slots) - host.available())
-        return host.write_back(slots)
+        start = time.perf_counter()
+        out = host.write_back(slots)
+        self._moves["tier_host_write_seconds"] += time.perf_counter() - start
+        return out
 
     def _evict_host(self, num_tokens: int) -> None:
         """Free host slots from the host tier's leaves: spilled to disk, or forgotten."""
@@ -497,7 +502,10 @@ class RadixCache(PrefixCache):
             if node is None:
                 return None
             self._drop_subtree(node)
-        return disk.spill(self.host_tier.pool, host_slots)
+        start = time.perf_counter()
+        key = disk.spill(self.host_tier.pool, host_slots)
+        self._moves["tier_disk_write_seconds"] += time.perf_counter() - start
+        return key
 
     def _forget_copy(self, node: _Node) -> int:
         """Give up a node's lower-tier copy (host slots or disk file); its token count."""
