@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     base, tiered, ideal = results["untiered"], results["tiered"], results["unbounded"]
     summary = {
         "greedy_outputs_equal_tiered_vs_untiered": same,
-        "computed_tokens_tiered_over_ideal": round(tiered["computed_tokens"] / max(ideal["computed_tokens"], 1), 3),
+        "computed_tokens_tiered_over_ideal": round(
+            tiered["computed_tokens"] / max(ideal["computed_tokens"], 1), 3
+        ),
         "throughput_tiered_over_untiered": round(tiered["tokens_per_s"] / base["tokens_per_s"], 2),
         "ttft_p50_returning_untiered_over_tiered": round(
             base["ttft_p50_returning_s"] / tiered["ttft_p50_returning_s"], 2

@@ -4,6 +4,7 @@ device slots with the very K/V that was evicted; every failure of the disk (a co
 budget) ends in recomputation, never in a wrong value; the tier invariant holds after every step of
 a randomized run whose K/V contents are checked on every hit."""
 
+import asyncio
 import logging
 import os
 import random
@@ -280,7 +281,6 @@ def test_the_tier_flags_are_checked():
         (dict(hicache_disk_dir="/tmp/kv", hicache_disk_size=1), "host tier"),
         (dict(hicache_host_size=1, disable_radix_cache=True), "radix cache"),
         (dict(hicache_host_size=1, tp_size=2), "tp_size 1"),
-        (dict(hicache_host_size=1, role="decode"), "unified"),
     ):
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad)
@@ -340,13 +340,20 @@ def test_returning_turns_load_from_the_tiers_and_answer_as_recomputation_does(en
     assert got == want  # greedy tokens, fp32: loaded K/V is the K/V that was computed
     n = len(openings)
     returning = slice(n, None)
-    assert sum(cached_tiered[returning]) > 2 * sum(cached_plain[returning]) + 400, (cached_plain, cached_tiered)
+    assert sum(cached_tiered[returning]) > 2 * sum(cached_plain[returning]) + 400, (
+        cached_plain,
+        cached_tiered,
+    )
     s = tiered.stats()
     assert s["tier_device_to_host_tokens"] > 0 and s["tier_host_to_disk_tokens"] > 0, s
     # Turns in rounds: a conversation comes back after all the others went through the pool,
     # by then mostly on disk (the host tier here holds ~230 tokens).
     assert s["tier_host_loaded_tokens"] + s["tier_disk_loaded_tokens"] >= 1000, s
-    assert s["tier_disk_loaded_tokens"] > 0 and s["kv_disk_bytes_written"] > 0 and s["tier_disk_load_failures"] == 0
+    assert (
+        s["tier_disk_loaded_tokens"] > 0
+        and s["kv_disk_bytes_written"] > 0
+        and s["tier_disk_load_failures"] == 0
+    )
     assert_kv_invariant(tiered)
     assert_kv_invariant(plain)
 
@@ -387,3 +394,51 @@ def test_flush_and_shutdown_leave_no_file_behind(engines):
     assert disk.keys() == [] and os.listdir(disk.directory) == []
     s = tiered.stats()
     assert s["kv_host_cached_tokens"] == s["kv_disk_cached_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def pd_engines(tmp_path_factory):
+    """A unified engine with a pool that holds everything, and a PD pair whose pools hold one
+    conversation, each with a host tier beneath (tiny model: ~1 KB of KV per token)."""
+    from radixserve.workers import Engine
+    from tests.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tiers-pd"), "llama")
+    args = dict(dtype="float32", chunked_prefill_size=64, kv_transfer="gloo")
+    tiers = dict(max_total_tokens=192, hicache_host_size=0.01)
+    unified = Engine(ckpt, max_total_tokens=4096, **args)
+    prefill = Engine(ckpt, role="prefill", kv_transfer_timeout_s=10.0, **tiers, **args)
+    decode = Engine(ckpt, role="decode", kv_transfer_timeout_s=8.0, **tiers, **args)
+    yield unified, prefill, decode
+    for e in (unified, prefill, decode):
+        e.shutdown()
+
+
+def test_pd_pools_load_an_earlier_turn_from_their_tiers_and_move_only_the_new_pages(pd_engines):
+    from radixserve.workers.protocol import GenerateRequest, SamplingParams
+    from tests.engine_utils import assert_kv_invariant
+    from tests.test_pd_engine import pd_run, unified_run
+
+    unified, prefill, decode = pd_engines
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def both(ids):
+        pd = asyncio.run(pd_run(prefill, decode, GenerateRequest(list(ids), params)))[0]
+        ref = asyncio.run(unified_run(unified, GenerateRequest(list(ids), params)))[0]
+        assert pd["ids"] == ref["ids"]
+        return pd
+
+    first = list(range(200, 300))
+    out = both(first)
+    for k in range(3):  # other conversations push the first out of both pools
+        both([1000 + 100 * k + i for i in range(100)])
+    assert decode.stats()["kv_host_cached_tokens"] >= 96 and prefill.stats()["kv_host_cached_tokens"] >= 96
+    saved_before = decode.stats()["pd_bytes_saved_total"]
+    second = first + out["ids"] + list(range(300, 310))
+    out2 = both(second)
+    assert out2["meta"]["cached"] >= 96  # the prefill side read the first turn back
+    d, p = decode.stats(), prefill.stats()
+    assert d["tier_host_loaded_tokens"] >= 96 and p["tier_host_loaded_tokens"] >= 96, (d, p)
+    assert d["pd_bytes_saved_total"] > saved_before  # the decode side held it: not sent again
+    for e in pd_engines:
+        assert_kv_invariant(e)

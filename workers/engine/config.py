@@ -174,8 +174,6 @@ class EngineConfig:
             raise ValueError("the cache tiers sit under the radix cache: not with disable_radix_cache")
         if self.tp_size > 1:
             raise ValueError("the cache tiers run at tp_size 1 (each rank's KV would need its own copy)")
-        if self.role is not Role.UNIFIED:
-            raise ValueError("the cache tiers run in unified mode (not on prefill or decode pools)")
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
