@@ -147,6 +147,7 @@ class RouterConfig:
     load_cost_tokens: int = _POLICY.load_cost_tokens
     balance_abs_threshold: int = _POLICY.balance_abs_threshold
     balance_rel_threshold: float = _POLICY.balance_rel_threshold
+    lower_tier_weight: float = _POLICY.lower_tier_weight
     router_sync_interval_s: float = 5.0  # how often replicas' caches and loads correct the policy
 
     def __post_init__(self) -> None:
@@ -163,6 +164,7 @@ class RouterConfig:
             "load_cost_tokens": self.load_cost_tokens,
             "balance_abs_threshold": self.balance_abs_threshold,
             "balance_rel_threshold": self.balance_rel_threshold,
+            "lower_tier_weight": self.lower_tier_weight,
         }
 
 
@@ -439,6 +441,8 @@ HELP = {
     "replica carries beyond the least loaded one (0: load never outweighs a match)",
     "balance_abs_threshold": "cache_aware: imbalanced if max load - min load exceeds this ...",
     "balance_rel_threshold": "... and max load exceeds min load times this",
+    "lower_tier_weight": "cache_aware: what a prefix held in a replica's host or disk cache tier "
+    "is worth against one on its device (0..1; --hicache-host-size)",
     "router_sync_interval_s": "seconds between replica cache/load reports to the router",
     "pd": "prefill/decode disaggregation: a prefill pool and a decode pool (instead of --dp), "
     "the KV moving from one to the other",

@@ -137,10 +137,18 @@ def test_an_unknown_error_kind_fails_loudly():
 
 def test_a_cache_summary_round_trips_in_its_wire_shape():
     stats = ReplicaStats(replica_id="a", kv_total=128, kv_free=100)
-    summary = CacheSummary(stats, [("acme", [1, 2, 3]), (None, [4, 5])])
+    summary = CacheSummary(stats, [("acme", [1, 2, 3]), (None, [4, 5])], [(None, [4, 5, 6])])
     d = summary.to_dict()
-    assert d == {"stats": stats.to_dict(), "prefixes": [[1, 2, 3], [4, 5]], "namespaces": ["acme", None]}
+    assert d == {
+        "stats": stats.to_dict(),
+        "prefixes": [[1, 2, 3], [4, 5]],
+        "namespaces": ["acme", None],
+        "lower_prefixes": [[4, 5, 6]],
+        "lower_namespaces": [None],
+    }
     assert CacheSummary.from_dict(wire(d)) == summary
+    older = {k: v for k, v in d.items() if not k.startswith("lower_")}  # a replica of the last version
+    assert CacheSummary.from_dict(wire(older)) == CacheSummary(stats, summary.paths)
     with pytest.raises(ProtocolError, match="2 prefixes and 1 namespaces"):
         CacheSummary.from_dict({**d, "namespaces": ["acme"]})
 

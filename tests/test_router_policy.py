@@ -243,6 +243,23 @@ def test_replica_events_and_summaries_correct_the_tree():
     assert policy.choose(list(range(60_000, 60_100)), idle("a", "b")).replica_id == "b"
 
 
+def test_a_prefix_in_a_lower_cache_tier_counts_below_the_device_and_above_a_miss():
+    policy = make_policy("cache_aware", lower_tier_weight=0.5)
+    # a holds the system prompt in its host tier only; b on its device, but only 200 tokens.
+    policy.on_replica_summary("a", [], lower=[(None, prompt(1))])
+    assert policy.choose(prompt(2), idle("a", "c")) == Decision("a", 200, "cache_hit")
+    policy.on_replica_summary("b", [(None, SYSTEM[:300])])
+    assert policy.choose(prompt(2), idle("a", "b")) == Decision("b", 300, "cache_hit")
+    # a's device holds the first 300 as well: 300 + half of the 100 beyond it in its host tier.
+    policy.on_replica_summary("a", [(None, SYSTEM[:300])], lower=[(None, prompt(1))])
+    assert policy.choose(prompt(2), idle("a", "b")) == Decision("a", 350, "cache_hit")
+    assert policy.snapshot()["lower_tree_tokens"] == 420
+    policy.on_replica_removed("a")
+    assert policy.snapshot()["lower_tree_tokens"] == 0
+    with pytest.raises(ValueError, match="lower_tier_weight"):
+        PolicyConfig(lower_tier_weight=1.5)
+
+
 def test_replica_capacity_bounds_what_the_tree_believes():
     policy = make_policy("cache_aware")
     policy.on_dispatch(prompt(1), "a")
@@ -299,6 +316,7 @@ def test_snapshot_counts_hits_misses_fallbacks_and_in_flight():
         "tree_tokens": 480,
         "tree_nodes": 5,
         "tree_tokens_by_replica": {"a": 460, "b": 420},
+        "lower_tree_tokens": 0,
         "in_flight": {"a": 2, "b": 1},
         "in_flight_tokens": {"a": 840, "b": 420},
     }

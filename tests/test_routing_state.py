@@ -203,6 +203,8 @@ def test_router_flags():
             "8",
             "--balance-rel-threshold",
             "2",
+            "--lower-tier-weight",
+            "0.25",
             "--router-sync-interval-s",
             "2.5",
         ]
@@ -214,6 +216,7 @@ def test_router_flags():
         "load_cost_tokens": 0,
         "balance_abs_threshold": 8,
         "balance_rel_threshold": 2.0,
+        "lower_tier_weight": 0.25,
     }
     assert a.router.router_sync_interval_s == 2.5
     assert ServerArgs.from_dict({"dp": 2}).policy_kwargs()["policy"] == "cache_aware"

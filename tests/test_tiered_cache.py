@@ -169,6 +169,18 @@ def test_a_disk_node_is_forgotten_rather_than_split(tmp_path):
     assert t.where(a) == (4, 0)  # the new request's [1, 2, 3, 4] is there now
 
 
+def test_cached_paths_tell_the_device_from_the_lower_tiers(tmp_path):
+    t = Tiered(tmp_path, device=8, host=8, disk_bytes=0)
+    t.run([1, 2, 3, 4])
+    t.run([1, 2, 3, 4, 5, 6])
+    t.cache.evict(2)  # [5, 6] -> host
+    assert t.cache.cached_paths(100) == [(None, [1, 2, 3, 4])]
+    assert t.cache.cached_paths(100, lower=True) == [(None, [1, 2, 3, 4, 5, 6])]
+    t.run([7, 7, 7])
+    assert t.cache.cached_paths(100) == [(None, [7, 7, 7]), (None, [1, 2, 3, 4])]
+    assert t.cache.cached_paths(5) == [(None, [7, 7, 7])]
+
+
 def test_reset_empties_every_tier(tmp_path):
     t = Tiered(tmp_path, device=8, host=8)
     for k in range(1, 6):
@@ -356,6 +368,19 @@ def test_returning_turns_load_from_the_tiers_and_answer_as_recomputation_does(en
     )
     assert_kv_invariant(tiered)
     assert_kv_invariant(plain)
+    # What the router's correction reads: the device's paths, and those ending in a lower tier.
+    from radixserve.workers.protocol import CacheSummary
+    from radixserve.workers.replica import EngineReplica
+
+    replica = object.__new__(EngineReplica.func_or_class)
+    replica.engine, replica.replica_id, replica.config = tiered, "t", tiered.config
+    try:
+        summary = CacheSummary.from_dict(asyncio.run(replica.cache_summary(1 << 20)))
+    finally:
+        replica.engine = None
+    assert summary.paths and summary.lower_paths
+    assert sum(len(p) for _, p in summary.paths) <= 640  # the device pool's size
+    assert summary.stats.kv_host_cached_tokens == s["kv_host_cached_tokens"] > 0
 
 
 def test_corrupt_disk_files_are_recomputed_with_the_same_answers(engines, caplog):

@@ -717,27 +717,35 @@ class CacheSummary:
     """What the router's correction reads from a replica in one call (`cache_summary`): its
     `ReplicaStats`, and its cached prefixes as (cache namespace, token path), most recently used
     first (the path's tokens within the replica's token budget; shared prefixes count once per
-    path)."""
+    path): `paths` on the device, `lower_paths` those ending in its host or disk tier."""
 
     stats: ReplicaStats
     paths: list[tuple[str | None, list[int]]] = field(default_factory=list)
+    lower_paths: list[tuple[str | None, list[int]]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "stats": self.stats.to_dict(),
             "prefixes": [list(p) for _, p in self.paths],
             "namespaces": [n for n, _ in self.paths],
+            "lower_prefixes": [list(p) for _, p in self.lower_paths],
+            "lower_namespaces": [n for n, _ in self.lower_paths],
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheSummary:
-        prefixes, namespaces = d["prefixes"], d["namespaces"]
-        if len(prefixes) != len(namespaces):
-            raise ProtocolError(
-                f"a cache summary of {len(prefixes)} prefixes and {len(namespaces)} namespaces"
-            )
-        paths = [(n, list(p)) for n, p in zip(namespaces, prefixes)]
-        return cls(ReplicaStats.from_dict(d["stats"]), paths)
+        """A replica of an older version (mid rolling update) sends no lower paths."""
+        return cls(
+            ReplicaStats.from_dict(d["stats"]),
+            _paths(d["prefixes"], d["namespaces"]),
+            _paths(d.get("lower_prefixes", []), d.get("lower_namespaces", [])),
+        )
+
+
+def _paths(prefixes: list, namespaces: list) -> list[tuple[str | None, list[int]]]:
+    if len(prefixes) != len(namespaces):
+        raise ProtocolError(f"a cache summary of {len(prefixes)} prefixes and {len(namespaces)} namespaces")
+    return [(n, list(p)) for n, p in zip(namespaces, prefixes)]
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,10 @@ class EngineReplica:
         """What the router's correction needs, read together (a `CacheSummary`): this replica's
         `ReplicaStats` and its cached prefixes, up to `max_tokens` tokens in all."""
         paths = await asyncio.to_thread(self.engine.cache_summary, int(max_tokens))
-        return CacheSummary(self._stats(), paths).to_dict()
+        lower = []
+        if self.engine.config.hicache_host_size and max_tokens:
+            lower = await asyncio.to_thread(self.engine.cache_summary, int(max_tokens), True)
+        return CacheSummary(self._stats(), paths, lower).to_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (`EngineLoad` fields), which the policies of

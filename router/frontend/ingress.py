@@ -107,7 +107,8 @@ class Ingress:
                 summary = CacheSummary.from_dict(r)
                 # The engine lists most recent first; the tree wants least recent first.
                 prefixes = summary.paths[::-1] if budget else None
-                applied += routing.apply_report(summary.stats, prefixes, point)
+                lower = summary.lower_paths[::-1] if budget else None
+                applied += routing.apply_report(summary.stats, prefixes, point, lower)
         return applied
 
     async def _sync_forever(self) -> None:

@@ -49,6 +49,9 @@ class PolicyConfig:
     balance_rel_threshold: float = 1.5  # ... and max_load > min_load * this
     max_tree_tokens: int = DEFAULT_MAX_TOKENS  # token ids stored in the prefix tree, all replicas
     max_tokens_per_replica: int | None = None  # None: only the total bound applies
+    # A prefix a replica holds in its host or disk cache tier is worth this share of one on its
+    # device (it is copied back, not recomputed, but the copy and the device room cost).
+    lower_tier_weight: float = 0.5
     seed: int | None = None  # for power_of_two / random
 
     def __post_init__(self):
@@ -60,6 +63,8 @@ class PolicyConfig:
             raise ValueError("min_match_tokens and load_cost_tokens must be >= 0")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        if not 0.0 <= self.lower_tier_weight <= 1.0:
+            raise ValueError("lower_tier_weight must be within [0, 1]")
         if self.max_tree_tokens <= 0:
             raise ValueError("max_tree_tokens must be positive")
 
@@ -191,8 +196,9 @@ class RoutingPolicy:
     def on_replica_events(self, replica_id, inserted=(), evicted=(), namespace=None) -> None:
         """A replica's cache changes in one namespace; see PrefixTree.apply_replica_events."""
 
-    def on_replica_summary(self, replica_id, summary, keep_newer_than=None) -> None:
-        """A replica's full cache report, (namespace, tokens) pairs; see PrefixTree.sync_replica."""
+    def on_replica_summary(self, replica_id, summary, keep_newer_than=None, lower=None) -> None:
+        """A replica's full cache report, (namespace, tokens) pairs; see PrefixTree.sync_replica.
+        `lower`: the prefixes it holds in its host or disk tier (None: not reported)."""
 
     def sync_point(self) -> int:
         """Read before asking a replica for its summary; pass back as `keep_newer_than`."""
@@ -320,9 +326,24 @@ class CacheAwarePolicy(RoutingPolicy):
     def __init__(self, config: PolicyConfig | None = None):
         super().__init__(config)
         self._tree = PrefixTree(self.config.max_tree_tokens, self.config.max_tokens_per_replica)
+        # What replicas hold in their lower cache tiers, from their reports only (a routed
+        # request is computed on the device: it is recorded in `_tree`).
+        self._lower = PrefixTree(self.config.max_tree_tokens)
+
+    def _matches(self, token_ids, namespace) -> dict[str, int]:
+        """Per replica, its device match plus lower_tier_weight of what its lower tiers hold
+        beyond it: a host or disk hit counts below a device hit and above a miss."""
+        matched = self._tree.match(token_ids, namespace)
+        if self._lower.num_nodes:
+            weight = self.config.lower_tier_weight
+            for replica, n in self._lower.match(token_ids, namespace).items():
+                extra = n - matched.get(replica, 0)
+                if extra > 0:
+                    matched[replica] = matched.get(replica, 0) + int(weight * extra)
+        return matched
 
     def _choose(self, token_ids, replicas, namespace) -> Decision:
-        matched = self._tree.match(token_ids, namespace)
+        matched = self._matches(token_ids, namespace)
         loads = [r.load for r in replicas]
         low, high = min(loads), max(loads)
         cfg = self.config
@@ -360,14 +381,17 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def _forget(self, replica_id) -> None:
         self._tree.remove_replica(replica_id)
+        self._lower.remove_replica(replica_id)
 
     def on_replica_events(self, replica_id, inserted=(), evicted=(), namespace=None) -> None:
         with self._lock:
             self._tree.apply_replica_events(replica_id, inserted, evicted, namespace)
 
-    def on_replica_summary(self, replica_id, summary, keep_newer_than=None) -> None:
+    def on_replica_summary(self, replica_id, summary, keep_newer_than=None, lower=None) -> None:
         with self._lock:
             self._tree.sync_replica(replica_id, summary, keep_newer_than)
+            if lower is not None:
+                self._lower.sync_replica(replica_id, lower)
 
     def sync_point(self) -> int:
         with self._lock:
@@ -382,6 +406,7 @@ class CacheAwarePolicy(RoutingPolicy):
             "tree_tokens": self._tree.total_tokens,
             "tree_nodes": self._tree.num_nodes,
             "tree_tokens_by_replica": {r: self._tree.replica_tokens(r) for r in self._tree.replicas()},
+            "lower_tree_tokens": self._lower.total_tokens,
         }
 
 

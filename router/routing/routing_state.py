@@ -184,9 +184,11 @@ class RoutingState:
         stats: ReplicaStats,
         prefixes: Sequence[tuple[Namespace, Sequence[int]]] | None,
         sync_point: int,
+        lower: Sequence[tuple[Namespace, Sequence[int]]] | None = None,
     ) -> bool:
         """One replica's report: its load and pool size, and (when given) its cached prefixes as
-        (namespace, tokens) pairs, least recently used first. The prompts still running there count as its newest
+        (namespace, tokens) pairs, least recently used first (`lower`: those that end in its host
+        or disk tier). The prompts still running there count as its newest
         prefixes: the report may predate their insertion, and the replica will cache them.
         Reports of replicas Serve no longer routes to are dropped (returns False), so a report
         racing a removal cannot bring a dead replica back."""
@@ -201,7 +203,9 @@ class RoutingState:
         if stats.kv_total:
             self.policy.set_replica_capacity(replica_id, stats.kv_total)
         if prefixes is not None:
-            self.policy.on_replica_summary(replica_id, [*prefixes, *live], keep_newer_than=sync_point)
+            self.policy.on_replica_summary(
+                replica_id, [*prefixes, *live], keep_newer_than=sync_point, lower=lower
+            )
         return True
 
     def snapshot(self) -> dict[str, Any]:

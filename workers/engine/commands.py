@@ -54,6 +54,7 @@ class FlushCache:
 class CacheSummary:
     max_tokens: int
     done: Future  # the cached prefixes: token lists, most recently used first
+    lower: bool = False  # those that end in a lower cache tier instead of the device's
 
 
 @dataclass(frozen=True)

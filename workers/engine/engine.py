@@ -211,10 +211,13 @@ class Engine:
         engine thread answers (between steps): call it off any event loop."""
         return self._ask(FlushCache)
 
-    def cache_summary(self, max_tokens: int = 1 << 20) -> list[tuple[str | None, list[int]]]:
+    def cache_summary(
+        self, max_tokens: int = 1 << 20, lower: bool = False
+    ) -> list[tuple[str | None, list[int]]]:
         """The cached prefixes as (namespace, token list) pairs, most recently used first, for
-        the router's tree. Blocks like `flush_cache`."""
-        return self._ask(lambda fut: CacheSummary(max_tokens, fut))
+        the router's tree; `lower`: those that end in the host or disk tier. Blocks like
+        `flush_cache`."""
+        return self._ask(lambda fut: CacheSummary(max_tokens, fut, lower))
 
     def rank_transfers_open(self) -> int:
         """The KV transfers a prefill or decode replica's tensor-parallel followers hold open: 0

@@ -289,7 +289,7 @@ class EngineCore:
             case FlushCache():
                 _answer(cmd.done, self.flush_cache)
             case CacheSummary():
-                _answer(cmd.done, lambda: self.cache.cached_paths(cmd.max_tokens))
+                _answer(cmd.done, lambda: self.cache.cached_paths(cmd.max_tokens, cmd.lower))
             case RankTransfersOpen():
                 _answer(cmd.done, self.rank_transfers_open)
             case Stop():

@@ -58,9 +58,10 @@ class PrefixCache(ABC):
     @abstractmethod
     def reset(self) -> bool: ...
     @abstractmethod
-    def cached_paths(self, max_tokens: int) -> list[tuple[Hashable | None, list[int]]]:
+    def cached_paths(self, max_tokens: int, lower: bool = False) -> list[tuple[Hashable | None, list[int]]]:
         """(namespace, token path) of the cached leaves, most recently used first, until the
-        paths' lengths add up to max_tokens: what a router needs to correct its view."""
+        paths' lengths add up to max_tokens: what a router needs to correct its view. `lower`:
+        the paths that end in a lower tier (host memory, disk) instead of the device's."""
 
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
@@ -110,7 +111,7 @@ class NullCache(PrefixCache):
     def check_integrity(self) -> None:
         pass
 
-    def cached_paths(self, max_tokens: int) -> list[tuple[Hashable | None, list[int]]]:
+    def cached_paths(self, max_tokens: int, lower: bool = False) -> list[tuple[Hashable | None, list[int]]]:
         return []
 
     def reset(self) -> bool:

@@ -587,10 +587,19 @@ class RadixCache(PrefixCache):
             yield node
             stack.extend(node.children.values())
 
-    def cached_paths(self, max_tokens: int) -> list[tuple[Hashable | None, list[int]]]:
-        """Token paths (root to leaf) of the cached leaves with their namespace, most recently
-        used first, until their lengths add up to max_tokens."""
-        leaves = sorted((n for n in self._nodes() if not n.children), key=lambda n: -n.stamp)
+    def cached_paths(self, max_tokens: int, lower: bool = False) -> list[tuple[Hashable | None, list[int]]]:
+        """Token paths (root to leaf) with their namespace, most recently used first, until their
+        lengths add up to max_tokens: of the device's leaves, or with `lower` of the leaves whose
+        KV lies in the host or disk tier (the whole path, its device part included)."""
+        if lower:
+            leaves = [n for n in self._nodes() if not n.children and n.tier != "device"]
+        else:
+            leaves = [
+                n
+                for n in self._nodes()
+                if n.tier == "device" and not any(c.tier == "device" for c in n.children.values())
+            ]
+        leaves.sort(key=lambda n: -n.stamp)
         out, total = [], 0
         for leaf in leaves:
             parts, node = [], leaf
