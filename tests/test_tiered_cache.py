@@ -181,6 +181,101 @@ def test_cached_paths_tell_the_device_from_the_lower_tiers(tmp_path):
     assert t.cache.cached_paths(5) == [(None, [7, 7, 7])]
 
 
+class GatedReads:
+    """DiskTier.read held until released: a prefetch stays in flight as long as a test wants."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        self.gate, self.started = threading.Event(), threading.Event()
+        real = DiskTier.read
+
+        def read(path, pool, slots):
+            self.started.set()
+            assert self.gate.wait(10)
+            real(path, pool, slots)
+
+        monkeypatch.setattr(DiskTier, "read", staticmethod(read))
+
+    def settle(self, cache):
+        self.gate.set()
+        cache.close()  # waits for the loader thread, then settles
+
+
+def on_disk(tmp_path):
+    """A cache whose [1..8] prefix lies on disk (8 tokens, one file)."""
+    t = Tiered(tmp_path, device=8, host=8)
+    t.run([1, 2, 3, 4, 5, 6, 7, 8])
+    t.run([9] * 8)  # the first -> host
+    t.run([8] * 8)  # [9]*8 -> host, the first -> disk
+    assert t.where([1, 2, 3, 4, 5, 6, 7, 8]) == (0, 8) and len(t.disk.keys()) == 1
+    return t
+
+
+def test_a_prefetch_reads_the_disk_off_the_calling_thread_and_admission_loads_from_host(tmp_path, monkeypatch):
+    t = on_disk(tmp_path)
+    reads = GatedReads(monkeypatch)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    waits = t.cache.prefetch(t.cache.match_prefix(a))
+    assert [len(w.slots) for w in waits] == [8] and reads.started.wait(10)
+    t.cache.check_integrity()  # the in-flight host slots are accounted for
+    assert t.cache.poll_prefetches() == 1 and not waits[0].settled
+    assert t.where(a) == (0, 8)  # still a disk node while the read runs
+    assert t.cache.prefetch(t.cache.match_prefix(a)) == waits  # one read per node
+    reads.settle(t.cache)
+    # The host room came from spilling [9]*8 (the host's only leaf) to disk.
+    assert waits[0].settled and t.disk.keys() == [2] and t.disk.bytes_read > 0
+    stats = t.cache.tier_stats()
+    assert stats["tier_disk_prefetched_tokens"] == 8 and stats["kv_host_cached_tokens"] == 8
+    assert t.run(a) == (0, 7)  # from the host tier now (a match stops before the last token)
+    assert t.cache.tier_stats()["tier_host_loaded_tokens"] == 7
+
+
+def test_a_prefetch_whose_node_is_recomputed_meanwhile_gives_its_slots_back(tmp_path, monkeypatch):
+    t = on_disk(tmp_path)
+    reads = GatedReads(monkeypatch)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    waits = t.cache.prefetch(t.cache.match_prefix(a))
+    assert reads.started.wait(10)
+    # Another request computed the prefix itself (its insert adopts the node).
+    m = t.cache.match_prefix(a[:-1])
+    t.cache.lock(m.node)
+    slots = t.alloc(8)
+    t.write(None, a, slots)
+    t.cache.cache_finished(a, slots, m.node)
+    t.cache.check_integrity()
+    reads.settle(t.cache)
+    assert waits[0].settled
+    t.cache.check_integrity()  # the slots went back: nothing leaked
+    assert t.where(a) == (8, 0)
+
+
+def test_a_prefetch_of_a_corrupt_file_forgets_it(tmp_path, caplog):
+    t = on_disk(tmp_path)
+    path = t.disk.path(t.disk.keys()[0])
+    raw = bytearray(open(path, "rb").read())
+    raw[100] ^= 1
+    open(path, "wb").write(bytes(raw))
+    waits = t.cache.prefetch(t.cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]))
+    with caplog.at_level(logging.WARNING):
+        t.cache.close()
+    assert waits[0].settled and "unreadable" in caplog.text
+    assert t.cache.tier_stats()["tier_disk_load_failures"] == 1 and 1 not in t.disk.keys()
+    assert t.where([1, 2, 3, 4, 5, 6, 7, 8]) == (0, 0)
+    t.cache.check_integrity()
+
+
+def test_a_flush_during_a_prefetch_leaves_nothing_behind(tmp_path, monkeypatch):
+    t = on_disk(tmp_path)
+    reads = GatedReads(monkeypatch)
+    t.cache.prefetch(t.cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]))
+    assert reads.started.wait(10)
+    assert t.cache.reset()
+    reads.settle(t.cache)
+    t.cache.check_integrity()
+    assert t.host.available() == t.host.size and t.disk.keys() == []
+
+
 def test_reset_empties_every_tier(tmp_path):
     t = Tiered(tmp_path, device=8, host=8)
     for k in range(1, 6):
@@ -246,6 +341,8 @@ class Sim:
         self.t.cache.cache_finished(req["tokens"][:k], req["slots"], req["node"], req["ns"])
 
     def check(self):
+        if self.rng.random() < 0.3:
+            self.t.cache.poll_prefetches()
         self.t.cache.check_integrity()
         pages = {s // self.p for r in self.active for s in r["slots"][r["tree_len"] :]}
         c, pool = self.t.cache, self.t.pool
@@ -259,8 +356,11 @@ class Sim:
             self.compute(self.rng.choice(self.active))
         elif op < 0.85 and self.active:
             self.finish(self.rng.choice(self.active))
-        elif op < 0.95:
+        elif op < 0.9:
             self.t.cache.evict(self.rng.randint(1, 12))
+        elif op < 0.95:  # a request arriving: its disk part starts on its way to the host
+            toks = [1, 2, 3, 4, 5, 6, 7, 8, 9][: self.rng.randint(1, 9)] + [self.rng.randint(0, 1)]
+            self.t.cache.prefetch(self.t.cache.match_prefix(toks, self.rng.choice([None, "t"])))
         elif op > 0.995 and not self.active:
             assert self.t.cache.reset() is True
         self.check()
@@ -274,8 +374,10 @@ def test_randomized_tiers_keep_the_invariant_and_the_kv(tmp_path, seed, page_siz
         sim.step()
     while sim.active:
         sim.finish(sim.active[0])
+    sim.t.cache.close()
     sim.check()
     stats = sim.t.cache.tier_stats()
+    assert stats["tier_disk_prefetched_tokens"] > 0, stats
     assert stats["tier_host_loaded_tokens"] > 0 and stats["tier_disk_loaded_tokens"] > 0, stats
     assert kv_invariant_ok(sim.t.pool, sim.t.cache)
     assert sim.t.cache.reset()
@@ -361,9 +463,10 @@ def test_returning_turns_load_from_the_tiers_and_answer_as_recomputation_does(en
     # Turns in rounds: a conversation comes back after all the others went through the pool,
     # by then mostly on disk (the host tier here holds ~230 tokens).
     assert s["tier_host_loaded_tokens"] + s["tier_disk_loaded_tokens"] >= 1000, s
+    # Disk reads ran on the loader thread, then loads from the host: none from disk at admission.
+    assert s["tier_disk_prefetched_tokens"] > 0 and s["tier_disk_loaded_tokens"] == 0, s
     assert (
-        s["tier_disk_loaded_tokens"] > 0
-        and s["kv_disk_bytes_written"] > 0
+        s["kv_disk_bytes_written"] > 0
         and s["tier_disk_load_failures"] == 0
     )
     assert_kv_invariant(tiered)
@@ -380,7 +483,12 @@ def test_returning_turns_load_from_the_tiers_and_answer_as_recomputation_does(en
         replica.engine = None
     assert summary.paths and summary.lower_paths
     assert sum(len(p) for _, p in summary.paths) <= 640  # the device pool's size
-    assert summary.stats.kv_host_cached_tokens == s["kv_host_cached_tokens"] > 0
+    st = summary.stats
+    assert (st.kv_host_cached_tokens, st.kv_disk_cached_tokens) == (
+        s["kv_host_cached_tokens"],
+        s["kv_disk_cached_tokens"],
+    )
+    assert st.kv_host_cached_tokens + st.kv_disk_cached_tokens > 0
 
 
 def test_corrupt_disk_files_are_recomputed_with_the_same_answers(engines, caplog):

@@ -366,6 +366,8 @@ class EngineCore:
 
     def idle_timeout(self) -> float | None:
         """How long the loop may block for new commands: not at all while there is work."""
+        if self._prev is None and not self._outbox and self.scheduler.only_loading():
+            return TRANSFER_POLL_S  # disk reads run on the loader thread: poll, do not spin
         if self.scheduler.has_work() or self._prev is not None or self._outbox:
             return None
         if self.connector.busy():
@@ -563,6 +565,7 @@ class EngineCore:
         self.grammars.close()
         self.tp.stop()
         self.connector.close()
+        self.cache.close()
         if self.disk_tier is not None:
             self.disk_tier.close()
 

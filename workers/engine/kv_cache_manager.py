@@ -27,6 +27,7 @@ class KVCacheManager:
         self.req_pool = req_pool
         self.cache = cache
         self.page_size = pool.page_size
+        self._waits: dict[str, list] = {}  # sequence key -> the disk prefetches it waits for
 
     # Reading ---------------------------------------------------------------------------------
     def room(self) -> int:
@@ -48,6 +49,32 @@ class KVCacheManager:
             and self.cache.protected_size() == 0
             and kv_invariant_ok(self.pool, self.cache)
         )
+
+    # Lower cache tiers ------------------------------------------------------------------------
+    def prefetch(self, req: Req) -> None:
+        """A sequence arrived: start reading the part of its prefix that lies on disk into host
+        memory off the engine thread (a cache without a disk tier does nothing)."""
+        if self.cache.prefetches:
+            waits = self.cache.prefetch(self.cache.match_prefix(match_key(req), req.namespace))
+            if waits:
+                self._waits[req.key] = waits
+
+    def loading(self, req: Req) -> bool:
+        """Whether the sequence waits for a disk read of its prefix (admit it after)."""
+        waits = self._waits.get(req.key)
+        if waits is None:
+            return False
+        if all(w.settled for w in waits):
+            del self._waits[req.key]
+            return False
+        return True
+
+    def poll(self) -> None:
+        """Settle the disk reads that are done (each step, before admission)."""
+        if self._waits or self.cache.prefetches:
+            self.cache.poll_prefetches()
+            for key in [k for k, ws in self._waits.items() if all(w.settled for w in ws)]:
+                del self._waits[key]
 
     # Allocation ------------------------------------------------------------------------------
     def open(self, req: Req) -> bool:

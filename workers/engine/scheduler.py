@@ -61,6 +61,15 @@ class Scheduler:
     def add(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
+        self.kv.prefetch(req)
+
+    def only_loading(self) -> bool:
+        """Whether every sequence waits for a disk read of its prefix and nothing else runs."""
+        return (
+            not (self.running or self.remote or self.sending)
+            and bool(self.waiting)
+            and all(self.kv.loading(r) for r in self.waiting)
+        )
 
     def has_work(self) -> bool:
         """Sequences to schedule, or holding slots while their KV moves."""
@@ -85,6 +94,7 @@ class Scheduler:
         """The next step: prefill work first (chunks in progress, then admissions), else a
         decode step of every decode-ready sequence. With enable_mixed_chunk a prefill step also
         carries those decodes, one token each out of its budget."""
+        self.kv.poll()
         decodes = [r for r in self.running if r.decode_ready] if self.config.enable_mixed_chunk else []
         batch = self._schedule_prefill(reserved=len(decodes))
         if batch is None:
@@ -137,7 +147,7 @@ class Scheduler:
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if dedup.should_defer(req, match_lens.get(req.key, 0)):
+            if dedup.should_defer(req, match_lens.get(req.key, 0)) or self.kv.loading(req):
                 continue
             n = self._try_admit(req, budget, plan, chunked=chunk is not None)
             if n is None:

@@ -27,6 +27,7 @@ from radixserve.workers.mem_cache.kv_pool import KVPool
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<32sQ")  # sha256 of the payload, payload length
+READ_ERRORS = (OSError, ValueError, struct.error)
 
 
 class DiskTier:
@@ -82,29 +83,47 @@ class DiskTier:
         if key not in self._sizes:
             return False
         try:
-            with open(self._path(key), "rb") as f:
-                data = f.read()
-            digest, length = _HEADER.unpack_from(data)
-            payload = data[_HEADER.size :]
-            if len(payload) != length or hashlib.sha256(payload).digest() != digest:
-                raise ValueError("checksum mismatch")
-            bufs = pool.k_buffers + pool.v_buffers
-            row = bufs[0][0].numel() * bufs[0].element_size()
-            if length != len(bufs) * len(slots) * row:
-                raise ValueError(f"{length} bytes for {len(slots)} slots")
-        except (OSError, ValueError, struct.error) as e:
-            self.failures += 1
-            log.warning("disk tier: file %d unreadable (%s); its tokens will be recomputed", key, e)
-            self.drop(key)
+            self.read(self._path(key), pool, slots)
+        except READ_ERRORS as e:
+            self.failed(key, e)
             return False
+        self.bytes_read += self._sizes[key]
+        return True
+
+    def path(self, key: int) -> str:
+        return self._path(key)
+
+    @staticmethod
+    def read(path: str, pool: KVPool, slots: list[int]) -> None:
+        """Read the file at `path` into `slots` of `pool`; raises one of READ_ERRORS if it is
+        missing, short or fails its checksum. Touches no state of the tier, so a loader thread
+        may run it while the engine thread spills and drops (`slots` must be the caller's alone)."""
+        with open(path, "rb") as f:
+            data = f.read()
+        digest, length = _HEADER.unpack_from(data)
+        payload = data[_HEADER.size :]
+        if len(payload) != length or hashlib.sha256(payload).digest() != digest:
+            raise ValueError("checksum mismatch")
+        bufs = pool.k_buffers + pool.v_buffers
+        row = bufs[0][0].numel() * bufs[0].element_size()
+        if length != len(bufs) * len(slots) * row:
+            raise ValueError(f"{length} bytes for {len(slots)} slots")
         idx = torch.tensor(slots, dtype=torch.long)
         per_buf = len(slots) * row
         for i, buf in enumerate(bufs):
             raw = torch.frombuffer(bytearray(payload[i * per_buf : (i + 1) * per_buf]), dtype=torch.uint8)
             src = raw.view(buf.dtype).view(len(slots), *buf.shape[1:])
             buf.index_copy_(0, idx.to(buf.device), src.to(buf.device))
-        self.bytes_read += len(data)
-        return True
+
+    def read_done(self, key: int) -> None:
+        """Count a `read` of file `key` that succeeded off the engine thread."""
+        self.bytes_read += self._sizes.get(key, 0)
+
+    def failed(self, key: int, error: BaseException) -> None:
+        """A read of file `key` failed: log it, count it and forget the file."""
+        self.failures += 1
+        log.warning("disk tier: file %d unreadable (%s); its tokens will be recomputed", key, error)
+        self.drop(key)
 
     def drop(self, key: int) -> None:
         size = self._sizes.pop(key, None)

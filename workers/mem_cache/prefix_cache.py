@@ -35,6 +35,20 @@ class PrefixCache(ABC):
         cache without tiers has nothing below the device and returns it unchanged)."""
         return match
 
+    prefetches = False  # whether `prefetch` ever starts anything (a disk tier)
+
+    def prefetch(self, match: MatchResult) -> list:
+        """Start moving the disk part of a match closer off the calling thread; what the match
+        now waits for (objects with a `settled` flag). A cache without a disk tier has none."""
+        return []
+
+    def poll_prefetches(self) -> int:
+        """Settle finished prefetches; how many still run."""
+        return 0
+
+    def close(self) -> None:
+        """Stop any thread the cache runs."""
+
     def tier_stats(self) -> dict[str, int | float]:
         """Per-tier counters for metrics (a cache without tiers has none)."""
         return {}

@@ -31,14 +31,24 @@ part into fresh device slots when a request is admitted, so a returning conversa
 earlier turns back instead of recomputing them. A disk file is read only whole: a match or insert
 that would split a disk node forgets it and its subtree (their tokens are recomputed). Without a
 host tier nothing changes: an evicted node is detached as before.
+
+Disk reads stay off the engine thread where the scheduler can wait: `prefetch` (when a request
+arrives) allocates host slots for the disk part of its match and has a loader thread read the
+files into them; `poll_prefetches` (each step) moves each node whose read is done to the host
+tier, top node first, and the request is admitted after that, loading from host memory (a copy).
+While a read runs its node stays a disk node; whatever happens to the node meanwhile (recomputed,
+forgotten, split, flushed) only sends the prefetch's host slots back when it settles.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixserve.workers.mem_cache.prefix_cache import MatchResult, PrefixCache
@@ -46,6 +56,8 @@ from radixserve.workers.mem_cache.prefix_cache import MatchResult, PrefixCache
 if TYPE_CHECKING:  # the cache is torch-free bookkeeping; the pool and tiers are only duck-typed
     from radixserve.workers.mem_cache.kv_pool import KVPool
 
+
+log = logging.getLogger(__name__)
 
 EVICTION_POLICIES = ("lru", "lfu")
 TIERS = ("device", "host", "disk")
@@ -88,6 +100,17 @@ class _Node:
         if self.value or not self.key:  # a root holds no KV and counts as the device's
             return "device"
         return "host" if self.host is not None else "disk"
+
+
+@dataclass
+class Prefetch:
+    """A disk node's KV on its way into host slots on the loader thread."""
+
+    node: _Node
+    key: int  # the node's disk file
+    slots: list[int]  # host slots the loader thread writes (this prefetch's alone until settled)
+    future: Future
+    settled: bool = False  # polled: the node is on the host now, or the slots went back
 
 
 def _as_list(xs) -> list[int]:
@@ -136,6 +159,7 @@ class RadixCache(PrefixCache):
         self.pool = pool
         self.host_tier = host_tier if getattr(host_tier, "size", 0) else None
         self.disk_tier = disk_tier
+        self.prefetches = disk_tier is not None  # disk reads run on a loader thread
         self._ids = itertools.count()
         self._clock = 0
         # Tokens moved between tiers, loads and their time, and what fell out of every tier.
@@ -151,9 +175,13 @@ class RadixCache(PrefixCache):
                 "tier_disk_load_failures",
                 "tier_host_write_seconds",
                 "tier_disk_write_seconds",
+                "tier_disk_prefetched_tokens",
             ),
             0,
         )
+        self._prefetches: list[Prefetch] = []  # unsettled, in the order they started
+        self._loading: dict[int, Prefetch] = {}  # id(node) -> its unsettled prefetch
+        self._loader: ThreadPoolExecutor | None = None
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -298,6 +326,90 @@ class RadixCache(PrefixCache):
         if failed is None and out.node is not target:  # stopped for room: the rest stays below
             out.lower_tokens, out.lower_node = match.lower_tokens - loaded, target
         return out
+
+    def prefetch(self, match: MatchResult) -> list[Prefetch]:
+        """Start reading the disk part of `match` into host slots on the loader thread, top node
+        first, as far as the host tier has room; the prefetches the match now waits for (those
+        already running for its nodes included)."""
+        if self.disk_tier is None or not match.lower_tokens:
+            return []
+        target = match.lower_node
+        assert isinstance(target, _Node)
+        path = [n for n in self._path(target) if n.tier == "disk"]
+        waits = [self._loading[id(n)] for n in path if id(n) in self._loading]
+        self.lock(target)  # pins the path while host room is found for it
+        try:
+            for node in path:
+                if id(node) in self._loading:
+                    continue
+                slots = self._alloc_host(len(node.key))
+                if slots is None:
+                    break
+                assert node.disk is not None
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-loader")
+                future = self._loader.submit(
+                    self.disk_tier.read, self.disk_tier.path(node.disk), self.host_tier.pool, slots
+                )
+                pending = Prefetch(node, node.disk, slots, future)
+                self._prefetches.append(pending)
+                self._loading[id(node)] = pending
+                waits.append(pending)
+        finally:
+            self.unlock(target)
+        return waits
+
+    def _alloc_host(self, n: int) -> list[int] | None:
+        host = self.host_tier
+        if n > host.size:
+            return None
+        if host.available() < n:
+            self._evict_host(n - host.available())
+        return host.pool.alloc(n)
+
+    def poll_prefetches(self) -> int:
+        """Settle the prefetches whose reads are done (engine thread): each node still on disk
+        with the same file, under a parent on the device or host, moves to the host tier; a
+        failed read forgets the node and its subtree (recomputed); any other outcome sends the
+        slots back. A node whose parent's read is still running waits for it. Returns how many
+        are still running."""
+        still: list[Prefetch] = []
+        for p in self._prefetches:
+            node = p.node
+            current = node.parent is not None and node.disk == p.key
+            if not p.future.done() or (
+                current and node.parent.tier == "disk" and id(node.parent) in self._loading
+            ):
+                still.append(p)
+                continue
+            p.settled = True
+            del self._loading[id(node)]
+            error = p.future.exception()
+            if not current or node.parent.tier == "disk":
+                self.host_tier.free(p.slots)  # recomputed, loaded, forgotten or moved meanwhile
+            elif error is not None:
+                self.host_tier.free(p.slots)
+                self._moves["tier_disk_load_failures"] += 1
+                log.warning("disk tier: file %d unreadable (%s); its tokens will be recomputed", p.key, error)
+                self.disk_tier.failures += 1
+                self._drop_subtree(node)
+            else:
+                self.disk_tier.read_done(p.key)
+                self._forget_copy(node)
+                node.host = p.slots
+                self._held["host"] += len(p.slots)
+                self._moves["tier_disk_prefetched_tokens"] += len(p.slots)
+                self._push(node)
+                self._push(node.parent)
+        self._prefetches = still
+        return len(still)
+
+    def close(self) -> None:
+        """Wait for the loader thread's reads and stop it."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
+        self.poll_prefetches()
 
     def _alloc_device(self, n: int) -> list[int] | None:
         slots = self.pool.alloc(n)
@@ -674,6 +786,9 @@ class RadixCache(PrefixCache):
         assert held == self._held, (held, self._held)
         assert self._roots[None].namespace is None
         if self.host_tier is not None:
-            assert self.host_tier.available() + len(host_seen) == self.host_tier.size, "host slot leaked"
+            in_flight = sum(len(p.slots) for p in self._prefetches)
+            assert self.host_tier.available() + len(host_seen) + in_flight == self.host_tier.size, (
+                "host slot leaked"
+            )
         if self.disk_tier is not None:
             assert disk_seen == set(self.disk_tier.keys()), "disk file leaked or missing"
