@@ -46,7 +46,7 @@ class PrefixCache(ABC):
         """Settle finished prefetches; how many still run."""
         return 0
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most caches run no thread: nothing to stop
         """Stop any thread the cache runs."""
 
     def tier_stats(self) -> dict[str, int | float]:
