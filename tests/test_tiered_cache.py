@@ -212,7 +212,9 @@ def on_disk(tmp_path):
     return t
 
 
-def test_a_prefetch_reads_the_disk_off_the_calling_thread_and_admission_loads_from_host(tmp_path, monkeypatch):
+def test_a_prefetch_reads_the_disk_off_the_calling_thread_and_admission_loads_from_host(
+    tmp_path, monkeypatch
+):
     t = on_disk(tmp_path)
     reads = GatedReads(monkeypatch)
     a = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -465,10 +467,7 @@ def test_returning_turns_load_from_the_tiers_and_answer_as_recomputation_does(en
     assert s["tier_host_loaded_tokens"] + s["tier_disk_loaded_tokens"] >= 1000, s
     # Disk reads ran on the loader thread, then loads from the host: none from disk at admission.
     assert s["tier_disk_prefetched_tokens"] > 0 and s["tier_disk_loaded_tokens"] == 0, s
-    assert (
-        s["kv_disk_bytes_written"] > 0
-        and s["tier_disk_load_failures"] == 0
-    )
+    assert s["kv_disk_bytes_written"] > 0 and s["tier_disk_load_failures"] == 0
     assert_kv_invariant(tiered)
     assert_kv_invariant(plain)
     # What the router's correction reads: the device's paths, and those ending in a lower tier.
