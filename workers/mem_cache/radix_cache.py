@@ -157,8 +157,8 @@ class RadixCache(PrefixCache):
         if self.page_size != pool_page:
             raise ValueError(f"RadixCache page_size {self.page_size} != pool page_size {pool_page}")
         self.pool = pool
-        self.host_tier = host_tier if getattr(host_tier, "size", 0) else None
-        self.disk_tier = disk_tier
+        self.host_tier: Any = host_tier if getattr(host_tier, "size", 0) else None
+        self.disk_tier: Any = disk_tier
         self.prefetches = disk_tier is not None  # disk reads run on a loader thread
         self._ids = itertools.count()
         self._clock = 0
@@ -319,7 +319,9 @@ class RadixCache(PrefixCache):
             self._protected += len(slots)  # locked (by the pin) and now on the device
             loaded += len(slots)
         self.unlock(target)
-        deepest = self._device_ancestor(target if failed is None else failed.parent)
+        anchor = target if failed is None else failed.parent
+        assert anchor is not None
+        deepest = self._device_ancestor(anchor)
         if failed is not None:
             self._drop_subtree(failed)
         out = self._match(deepest, len(match.slots) + loaded)
@@ -375,17 +377,17 @@ class RadixCache(PrefixCache):
         are still running."""
         still: list[Prefetch] = []
         for p in self._prefetches:
-            node = p.node
-            current = node.parent is not None and node.disk == p.key
+            node, parent = p.node, p.node.parent
+            current = parent is not None and node.disk == p.key
             if not p.future.done() or (
-                current and node.parent.tier == "disk" and id(node.parent) in self._loading
+                parent is not None and current and parent.tier == "disk" and id(parent) in self._loading
             ):
                 still.append(p)
                 continue
             p.settled = True
             del self._loading[id(node)]
             error = p.future.exception()
-            if not current or node.parent.tier == "disk":
+            if parent is None or not current or parent.tier == "disk":
                 self.host_tier.free(p.slots)  # recomputed, loaded, forgotten or moved meanwhile
             elif error is not None:
                 self.host_tier.free(p.slots)
@@ -400,7 +402,7 @@ class RadixCache(PrefixCache):
                 self._held["host"] += len(p.slots)
                 self._moves["tier_disk_prefetched_tokens"] += len(p.slots)
                 self._push(node)
-                self._push(node.parent)
+                self._push(parent)
         self._prefetches = still
         return len(still)
 
@@ -518,8 +520,10 @@ class RadixCache(PrefixCache):
         above = ("device",) if tier == "device" else ("device", "host")
         return not any(c.tier in above for c in node.children.values())
 
-    def _push(self, node: _Node) -> None:
+    def _push(self, node: _Node | None) -> None:
         """Give `node` a fresh entry in the heap of its tier if it is a leaf there."""
+        if node is None:
+            return
         tier = node.tier
         if not self._evictable_in(node, tier):
             return
@@ -592,6 +596,7 @@ class RadixCache(PrefixCache):
             node = self._pop("host")
             if node is None:
                 break
+            assert node.host is not None
             key = self._spill(node.host)  # may evict disk leaves, never this node
             n = self._forget_copy(node)
             if key is None:
