@@ -20,6 +20,11 @@ from radixserve.workers.engine.request import Req
 from radixserve.workers.engine.schedule_policy import match_key
 from radixserve.workers.mem_cache.prefix_cache import kv_invariant_ok
 
+# Admission waits for a disk read of a sequence's prefix at most this often; then the part still on
+# disk is recomputed (under pressure a prefix read into host memory may go back to disk before
+# the sequence is admitted).
+MAX_DISK_READS = 2
+
 
 class KVCacheManager:
     def __init__(self, pool: Any, req_pool: Any, cache: Any):
@@ -51,13 +56,19 @@ class KVCacheManager:
         )
 
     # Lower cache tiers ------------------------------------------------------------------------
-    def prefetch(self, req: Req) -> None:
-        """A sequence arrived: start reading the part of its prefix that lies on disk into host
-        memory off the engine thread (a cache without a disk tier does nothing)."""
-        if self.cache.prefetches:
-            waits = self.cache.prefetch(self.cache.match_prefix(match_key(req), req.namespace))
-            if waits:
-                self._waits[req.key] = waits
+    def prefetch(self, req: Req) -> bool:
+        """Start reading the part of the sequence's prefix that lies on disk into host memory
+        off the engine thread (when it arrives, and again at admission if part of it went to
+        disk meanwhile, at most MAX_DISK_READS times); whether it now waits for such a read. A
+        cache without a disk tier does nothing."""
+        if not self.cache.prefetches or req.disk_reads >= MAX_DISK_READS:
+            return False
+        waits = self.cache.prefetch(self.cache.match_prefix(match_key(req), req.namespace))
+        if not waits:
+            return False
+        self._waits[req.key] = waits
+        req.disk_reads += 1
+        return True
 
     def loading(self, req: Req) -> bool:
         """Whether the sequence waits for a disk read of its prefix (admit it after)."""
@@ -86,7 +97,8 @@ class KVCacheManager:
         row = self.req_pool.alloc()
         if row is None:
             return False
-        match = self.cache.load_back(self.cache.match_prefix(match_key(req), req.namespace))
+        match = self.cache.match_prefix(match_key(req), req.namespace)
+        match = self.cache.load_back(match, from_disk=False)  # disk reads run on the loader thread
         self.cache.lock(match.node)
         req.row, req.table_len = row, 0
         req.kv_slots = list(match.slots)

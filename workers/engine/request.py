@@ -56,6 +56,7 @@ class Req:
         self.table_len = 0  # how many kv_slots are written into that row
         # Accounting
         self.cached_tokens: int | None = None  # prompt tokens reused at first admission
+        self.disk_reads = 0  # times admission waited for a disk read of its prefix (cache tiers)
         self.num_retractions = 0
         self.arrival = arrival if arrival is not None else time.monotonic()
         self.first_token_at: float | None = None

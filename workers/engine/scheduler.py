@@ -147,8 +147,10 @@ class Scheduler:
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if dedup.should_defer(req, match_lens.get(req.key, 0)) or self.kv.loading(req):
+            if dedup.should_defer(req, match_lens.get(req.key, 0)):
                 continue
+            if self.kv.loading(req) or self.kv.prefetch(req):
+                continue  # its prefix is being read from disk: admitted once it is in host memory
             n = self._try_admit(req, budget, plan, chunked=chunk is not None)
             if n is None:
                 break  # out of memory or rows: later requests would not fit either

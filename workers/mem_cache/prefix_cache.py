@@ -30,7 +30,7 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def match_prefix(self, key: list[int], namespace: Hashable | None = None) -> MatchResult: ...
-    def load_back(self, match: MatchResult) -> MatchResult:
+    def load_back(self, match: MatchResult, from_disk: bool = True) -> MatchResult:
         """Bring the part of a match held in lower tiers onto the device; the new match (a
         cache without tiers has nothing below the device and returns it unchanged)."""
         return match

@@ -282,13 +282,14 @@ class RadixCache(PrefixCache):
         node, pos = self._walk(root, _as_list(key))
         return self._match(node, pos)
 
-    def load_back(self, match: MatchResult) -> MatchResult:
+    def load_back(self, match: MatchResult, from_disk: bool = True) -> MatchResult:
         """Copy the lower-tier part of `match` into fresh device slots, top node first, as far as
         the device pool has room (evicting other prefixes for it); the match that results.
 
         A disk file that fails its check is forgotten with its subtree, and the match ends above
         it: those tokens are recomputed. Synchronous: a host load is a copy, a disk load a file
-        read on the calling thread."""
+        read on the calling thread; `from_disk=False` stops at the first disk node instead (the
+        engine's choice: its thread never reads the disk, `prefetch` does)."""
         if not match.lower_tokens:
             return match
         target = match.lower_node
@@ -299,6 +300,8 @@ class RadixCache(PrefixCache):
         for node in self._path(target):
             if node.tier == "device":
                 continue
+            if node.tier == "disk" and not from_disk:
+                break
             slots = self._alloc_device(len(node.key))
             if slots is None:
                 break
