@@ -528,20 +528,25 @@ def test_flush_and_shutdown_leave_no_file_behind(engines):
     assert s["kv_host_cached_tokens"] == s["kv_disk_cached_tokens"] == 0
 
 
-@pytest.fixture(scope="module")
-def pd_engines(tmp_path_factory):
+@pytest.fixture(scope="module", params=["host", "disk"])
+def pd_engines(request, tmp_path_factory):
     """A unified engine with a pool that holds everything, and a PD pair whose pools hold one
-    conversation, each with a host tier beneath (tiny model: ~1 KB of KV per token)."""
+    conversation, each with a host tier beneath (tiny model: well under 1 KB of KV per token);
+    "disk": a host tier of ~150 tokens with a disk tier under it."""
     from radixserve.workers import Engine
     from tests.tiny_models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tiers-pd"), "llama")
     args = dict(dtype="float32", chunked_prefill_size=64, kv_transfer="gloo")
-    tiers = dict(max_total_tokens=192, hicache_host_size=0.01)
+    tiers: dict = dict(max_total_tokens=192, hicache_host_size=0.01)
+    if request.param == "disk":
+        token_bytes = 2 * 2 * 2 * 16 * 4  # layers, K and V, KV heads, head dim, fp32 (tiny_models)
+        tiers["hicache_host_size"] = 150 * token_bytes / (1 << 30)
+        tiers.update(hicache_disk_dir=str(tmp_path_factory.mktemp("pd-kv")), hicache_disk_size=0.01)
     unified = Engine(ckpt, max_total_tokens=4096, **args)
     prefill = Engine(ckpt, role="prefill", kv_transfer_timeout_s=10.0, **tiers, **args)
     decode = Engine(ckpt, role="decode", kv_transfer_timeout_s=8.0, **tiers, **args)
-    yield unified, prefill, decode
+    yield request.param, (unified, prefill, decode)
     for e in (unified, prefill, decode):
         e.shutdown()
 
@@ -551,7 +556,7 @@ def test_pd_pools_load_an_earlier_turn_from_their_tiers_and_move_only_the_new_pa
     from tests.engine_utils import assert_kv_invariant
     from tests.test_pd_engine import pd_run, unified_run
 
-    unified, prefill, decode = pd_engines
+    kind, (unified, prefill, decode) = pd_engines
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
     def both(ids):
@@ -564,13 +569,21 @@ def test_pd_pools_load_an_earlier_turn_from_their_tiers_and_move_only_the_new_pa
     out = both(first)
     for k in range(3):  # other conversations push the first out of both pools
         both([1000 + 100 * k + i for i in range(100)])
-    assert decode.stats()["kv_host_cached_tokens"] >= 96 and prefill.stats()["kv_host_cached_tokens"] >= 96
-    saved_before = decode.stats()["pd_bytes_saved_total"]
+    d, p = decode.stats(), prefill.stats()
+    below = "kv_host_cached_tokens" if kind == "host" else "kv_disk_cached_tokens"
+    assert d[below] >= 96 and p[below] >= 96, (d, p)
+    saved_before = d["pd_bytes_saved_total"]
     second = first + out["ids"] + list(range(300, 310))
     out2 = both(second)
     assert out2["meta"]["cached"] >= 96  # the prefill side read the first turn back
     d, p = decode.stats(), prefill.stats()
-    assert d["tier_host_loaded_tokens"] >= 96 and p["tier_host_loaded_tokens"] >= 96, (d, p)
-    assert d["pd_bytes_saved_total"] > saved_before  # the decode side held it: not sent again
-    for e in pd_engines:
+    assert p["tier_host_loaded_tokens"] >= 96, p
+    if kind == "host":
+        assert d["tier_host_loaded_tokens"] >= 96, d
+        assert d["pd_bytes_saved_total"] > saved_before  # the decode side held it: not sent again
+    else:  # the prefill side read its disk on the loader thread; the decode side's reservation
+        # does not wait for a disk read: the prefill replica sent those pages
+        assert p["tier_disk_prefetched_tokens"] >= 96 and p["tier_disk_loaded_tokens"] == 0, p
+        assert d["tier_disk_loaded_tokens"] == 0, d
+    for e in (unified, prefill, decode):
         assert_kv_invariant(e)
