@@ -70,6 +70,16 @@ class Tiered:
         self.cache.check_integrity()
         return device_hit, len(m.slots) - device_hit
 
+    def recompute(self, tokens):
+        """A request that computes `tokens` itself (as if the device had no room to load them
+        back): its insert adopts whatever part of them lies below the device."""
+        m = self.cache.match_prefix(tokens[:-1])
+        self.cache.lock(m.node)
+        slots = self.alloc(len(tokens) - len(m.slots), m.slots[-1] if m.slots else None)
+        self.write(None, tokens, slots, start=len(m.slots))
+        self.cache.cache_finished(tokens, m.slots + slots, m.node)
+        self.cache.check_integrity()
+
     def where(self, tokens, ns=None) -> tuple[int, int]:
         m = self.cache.match_prefix(tokens, ns)
         return len(m.slots), m.lower_tokens
@@ -147,13 +157,7 @@ def test_recomputing_a_prefix_that_lies_below_the_device_adopts_the_new_slots(tm
     t.run(a)
     t.cache.evict(4)
     assert t.where(a) == (0, 4)
-    # A request that did not load it back (as if the device had no room then) computes it again.
-    m = t.cache.match_prefix(a[:-1])
-    t.cache.lock(m.node)
-    slots = t.alloc(4)
-    t.write(None, a, slots)
-    t.cache.cache_finished(a, slots, m.node)
-    t.cache.check_integrity()
+    t.recompute(a)
     assert t.where(a) == (4, 0) and t.host.available() == 8  # the host copy was given up
 
 
@@ -239,13 +243,7 @@ def test_a_prefetch_whose_node_is_recomputed_meanwhile_gives_its_slots_back(tmp_
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     waits = t.cache.prefetch(t.cache.match_prefix(a))
     assert reads.started.wait(10)
-    # Another request computed the prefix itself (its insert adopts the node).
-    m = t.cache.match_prefix(a[:-1])
-    t.cache.lock(m.node)
-    slots = t.alloc(8)
-    t.write(None, a, slots)
-    t.cache.cache_finished(a, slots, m.node)
-    t.cache.check_integrity()
+    t.recompute(a)  # another request computed the prefix itself (its insert adopts the node)
     reads.settle(t.cache)
     assert waits[0].settled
     t.cache.check_integrity()  # the slots went back: nothing leaked
