@@ -341,9 +341,16 @@ def small_decode(checkpoint):
 SP = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
 
 
-async def finish_pd(prefill: Engine, req: GenerateRequest, tickets: list, stream) -> list[int]:
-    """The prefill with the tickets, then the decode stream: every token of sequence 0."""
-    ids = [t async for c in prefill.submit(dataclasses.replace(req, kv_tickets=tickets)) for t in c.token_ids]
+async def finish_pd(
+    prefill: Engine, decode: Engine, req: GenerateRequest, tickets: list, stream
+) -> list[int]:
+    """The prefill with the tickets (renewing the reservation meanwhile, as the ingress does:
+    these tests' leases are short, and a loaded machine's prefill may outlast one), then the
+    decode stream: every token of sequence 0."""
+    async with renewing(decode, req.rid):
+        ids = [
+            t async for c in prefill.submit(dataclasses.replace(req, kv_tickets=tickets)) for t in c.token_ids
+        ]
     return ids + [t async for c in stream for t in c.token_ids]
 
 
@@ -377,7 +384,7 @@ def test_a_reservation_waits_for_room_and_is_served_once_room_is_freed(engines, 
         assert [c.finish_reason["type"] for c in [c async for c in hstream]][-1] == "abort"
         tickets = await asyncio.wait_for(asyncio.wrap_future(done), timeout=10)
         assert len(decode.core.connector.reservations) == 0
-        return await finish_pd(prefill, waiting, tickets, stream)
+        return await finish_pd(prefill, decode, waiting, tickets, stream)
 
     assert len(asyncio.run(asyncio.wait_for(go(), timeout=60))) == 4
     assert_kv_invariant(decode)
@@ -420,7 +427,7 @@ def test_a_prefill_queue_longer_than_the_lease_does_not_time_the_reservation_out
         while time.monotonic() < queued_until:
             assert decode.renew([req.rid, "another-ingress-request"]) == 1
             await asyncio.sleep(LEASE_S / 4)
-        return await finish_pd(prefill, req, tickets, stream)
+        return await finish_pd(prefill, decode, req, tickets, stream)
 
     assert len(asyncio.run(asyncio.wait_for(go(), timeout=60))) == 4
     assert_kv_invariant(decode)

@@ -444,12 +444,20 @@ def engines(tmp_path_factory):
     tiered.shutdown()
 
 
-def test_returning_turns_load_from_the_tiers_and_answer_as_recomputation_does(engines):
+@pytest.fixture(scope="module")
+def reference(engines):
+    """The conversations, and the untiered engine's answers and cached tokens for them."""
+    plain, _ = engines
+    openings = conversations(plain.tokenizer)
+    want, cached = chat_rounds(plain, openings)
+    return openings, want, cached
+
+
+def test_returning_turns_load_from_the_tiers_and_answer_as_recomputation_does(engines, reference):
     from tests.engine_utils import assert_kv_invariant
 
     plain, tiered = engines
-    openings = conversations(plain.tokenizer)
-    want, cached_plain = chat_rounds(plain, openings)
+    openings, want, cached_plain = reference
     got, cached_tiered = chat_rounds(tiered, openings)
     assert got == want  # greedy tokens, fp32: loaded K/V is the K/V that was computed
     n = len(openings)
@@ -488,13 +496,12 @@ def test_returning_turns_load_from_the_tiers_and_answer_as_recomputation_does(en
     assert st.kv_host_cached_tokens + st.kv_disk_cached_tokens > 0
 
 
-def test_corrupt_disk_files_are_recomputed_with_the_same_answers(engines, caplog):
+def test_corrupt_disk_files_are_recomputed_with_the_same_answers(engines, reference, caplog):
     from tests.engine_utils import assert_kv_invariant
 
-    plain, tiered = engines
-    openings = conversations(plain.tokenizer, n=10)
-    openings = [o + plain.tokenizer.encode(" Second pass.") for o in openings]
-    want, _ = chat_rounds(plain, openings, turns=2)
+    _, tiered = engines
+    openings, want, _ = reference
+    want = want[: 2 * len(openings)]  # the first two rounds
     tiered.flush_cache()
     # First turns fill the tiers; then every file on disk is damaged before the second round.
     question = tiered.tokenizer.encode(" What next?")
