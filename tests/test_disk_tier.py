@@ -89,8 +89,13 @@ def test_a_corrupt_or_truncated_file_fails_its_checksum_and_is_forgotten(tmp_pat
     assert disk.keys() == [] and os.listdir(tmp_path) == [] and disk.used_bytes == 0
 
 
-def test_fetch_into_the_wrong_number_of_slots_is_refused(tmp_path):
-    src = pool()
+def test_a_range_of_a_file_is_read_and_a_range_past_its_end_refused(tmp_path):
+    src, dst = pool(), pool()
+    zero(dst)
     disk = DiskTier(str(tmp_path), 1 << 20)
-    key = disk.spill(src, [1, 2])
-    assert not disk.fetch(key, src, [3])
+    key = disk.spill(src, [1, 2, 3])
+    assert disk.fetch(key, dst, [6], offset=1)  # the file's second token only
+    for s, d in zip(src.k_buffers + src.v_buffers, dst.k_buffers + dst.v_buffers):
+        assert torch.equal(d[6], s[2]) and not d[[1, 2, 3, 5, 7]].any()
+    assert not disk.fetch(key, dst, [5, 6], offset=2)  # tokens 2..3 of a 3-token file
+    assert disk.keys() == []  # refused, and forgotten

@@ -161,16 +161,20 @@ def test_recomputing_a_prefix_that_lies_below_the_device_adopts_the_new_slots(tm
     assert t.where(a) == (4, 0) and t.host.available() == 8  # the host copy was given up
 
 
-def test_a_disk_node_is_forgotten_rather_than_split(tmp_path):
+def test_a_disk_node_is_split_and_its_parts_read_their_ranges_of_one_file(tmp_path):
     t = Tiered(tmp_path, device=8, host=8)
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     t.run(a)
     t.run([9] * 8)  # a -> host
     t.run([8] * 8)  # [9]*8 -> host, a -> disk
     assert t.where(a) == (0, 8) and len(t.disk.keys()) == 1
-    assert t.run([1, 2, 3, 4, 7, 7]) == (0, 0)  # diverges inside a's file: it is recomputed
-    assert 1 not in t.disk.keys() and t.cache.tier_stats()["tier_dropped_tokens"] == 8
-    assert t.where(a) == (4, 0)  # the new request's [1, 2, 3, 4] is there now
+    # A prompt diverging inside a's file: its first half is read back (the range 0..4 of it).
+    assert t.run([1, 2, 3, 4, 7, 7]) == (0, 4)
+    assert 1 in t.disk.keys() and t.cache.tier_stats()["tier_dropped_tokens"] == 0
+    assert t.where(a) == (4, 4)  # the second half still on disk, in the same file
+    assert t.run(a) == (4, 3)  # tokens 4..7 of the file read back, K/V checked
+    # It computed the last token itself and the tree adopted it: no node reads the file now.
+    assert t.where(a) == (8, 0) and 1 not in t.disk.keys()
 
 
 def test_cached_paths_tell_the_device_from_the_lower_tiers(tmp_path):
@@ -194,10 +198,10 @@ class GatedReads:
         self.gate, self.started = threading.Event(), threading.Event()
         real = DiskTier.read
 
-        def read(path, pool, slots):
+        def read(path, pool, slots, offset=0):
             self.started.set()
             assert self.gate.wait(10)
-            real(path, pool, slots)
+            real(path, pool, slots, offset)
 
         monkeypatch.setattr(DiskTier, "read", staticmethod(read))
 

@@ -693,6 +693,7 @@ class ReplicaStats:
     tier_dropped_tokens: int = 0
     tier_host_loaded_tokens: int = 0
     tier_disk_loaded_tokens: int = 0
+    tier_disk_prefetched_tokens: int = 0  # read from disk into host memory on the loader thread
     tier_host_load_seconds: float = 0.0
     tier_disk_load_seconds: float = 0.0
     tier_disk_load_failures: int = 0

@@ -87,6 +87,11 @@ COUNTERS = (
     ("cache_tier_dropped_tokens", "tier_dropped_tokens", "Tiers: cached tokens that fell out of every tier"),
     ("cache_host_loaded_tokens", "tier_host_loaded_tokens", "Tiers: tokens loaded back from host memory"),
     ("cache_disk_loaded_tokens", "tier_disk_loaded_tokens", "Tiers: tokens loaded back from disk"),
+    (
+        "cache_disk_prefetched_tokens",
+        "tier_disk_prefetched_tokens",
+        "Tiers: tokens read from disk into host memory off the engine thread",
+    ),
     ("cache_host_load_seconds", "tier_host_load_seconds", "Tiers: time spent loading from host memory"),
     ("cache_disk_load_seconds", "tier_disk_load_seconds", "Tiers: time spent loading from disk"),
     (

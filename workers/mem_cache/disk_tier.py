@@ -78,12 +78,13 @@ class DiskTier:
         self.bytes_written += size
         return key
 
-    def fetch(self, key: int, pool: KVPool, slots: list[int]) -> bool:
-        """Read file `key` into `slots` of `pool`; False (key forgotten) if it is not intact."""
+    def fetch(self, key: int, pool: KVPool, slots: list[int], offset: int = 0) -> bool:
+        """Read file `key` (its tokens from `offset` on) into `slots` of `pool`; False (key
+        forgotten) if it is not intact."""
         if key not in self._sizes:
             return False
         try:
-            self.read(self._path(key), pool, slots)
+            self.read(self._path(key), pool, slots, offset)
         except READ_ERRORS as e:
             self.failed(key, e)
             return False
@@ -94,10 +95,11 @@ class DiskTier:
         return self._path(key)
 
     @staticmethod
-    def read(path: str, pool: KVPool, slots: list[int]) -> None:
-        """Read the file at `path` into `slots` of `pool`; raises one of READ_ERRORS if it is
-        missing, short or fails its checksum. Touches no state of the tier, so a loader thread
-        may run it while the engine thread spills and drops (`slots` must be the caller's alone)."""
+    def read(path: str, pool: KVPool, slots: list[int], offset: int = 0) -> None:
+        """Read tokens offset .. offset + len(slots) of the file at `path` into `slots` of `pool`
+        (the whole file is checked); raises one of READ_ERRORS if it is missing, short or fails
+        its checksum. Touches no state of the tier, so a loader thread may run it while the
+        engine thread spills and drops (`slots` must be the caller's alone)."""
         with open(path, "rb") as f:
             data = f.read()
         digest, length = _HEADER.unpack_from(data)
@@ -106,12 +108,14 @@ class DiskTier:
             raise ValueError("checksum mismatch")
         bufs = pool.k_buffers + pool.v_buffers
         row = bufs[0][0].numel() * bufs[0].element_size()
-        if length != len(bufs) * len(slots) * row:
-            raise ValueError(f"{length} bytes for {len(slots)} slots")
+        tokens, rest = divmod(length, len(bufs) * row)
+        if rest or offset < 0 or offset + len(slots) > tokens:
+            raise ValueError(f"{length} bytes for tokens {offset}..{offset + len(slots)}")
         idx = torch.tensor(slots, dtype=torch.long)
-        per_buf = len(slots) * row
+        per_buf, start, end = tokens * row, offset * row, (offset + len(slots)) * row
         for i, buf in enumerate(bufs):
-            raw = torch.frombuffer(bytearray(payload[i * per_buf : (i + 1) * per_buf]), dtype=torch.uint8)
+            part = payload[i * per_buf + start : i * per_buf + end]
+            raw = torch.frombuffer(bytearray(part), dtype=torch.uint8)
             src = raw.view(buf.dtype).view(len(slots), *buf.shape[1:])
             buf.index_copy_(0, idx.to(buf.device), src.to(buf.device))
 

@@ -28,9 +28,9 @@ node's parent on the device or host, so each tier evicts its own leaves (nodes w
 its tier or above) in the eviction order above, with a heap of its own. `match_prefix` reports the
 device part as the match and the lower part beside it (`lower_tokens`); `load_back` copies that
 part into fresh device slots when a request is admitted, so a returning conversation reads its
-earlier turns back instead of recomputing them. A disk file is read only whole: a match or insert
-that would split a disk node forgets it and its subtree (their tokens are recomputed). Without a
-host tier nothing changes: an evicted node is detached as before.
+earlier turns back instead of recomputing them. A split disk node's two parts share its file (each
+reads its own range; the file goes when neither needs it). Without a host tier nothing changes:
+an evicted node is detached as before.
 
 Disk reads stay off the engine thread where the scheduler can wait: `prefetch` (when a request
 arrives) allocates host slots for the disk part of its match and has a loader thread read the
@@ -69,6 +69,7 @@ class _Node:
         "value",
         "host",
         "disk",
+        "disk_off",
         "parent",
         "children",
         "lock_ref",
@@ -82,7 +83,8 @@ class _Node:
         self.key: list[int] = key
         self.value: list[int] = value  # device slots; [] while the KV lives in a lower tier
         self.host: list[int] | None = None  # host-tier slots, when the KV lives there
-        self.disk: int | None = None  # disk-tier file key, when the KV lives there
+        self.disk: int | None = None  # disk-tier file key, when the KV lives there ...
+        self.disk_off = 0  # ... from this token of the file on (split nodes share files)
         self.parent: _Node | None = parent
         self.children: dict = {}
         self.lock_ref = 0
@@ -107,7 +109,8 @@ class Prefetch:
     """A disk node's KV on its way into host slots on the loader thread."""
 
     node: _Node
-    key: int  # the node's disk file
+    key: int  # the node's disk file ...
+    offset: int  # ... and its first token there
     slots: list[int]  # host slots the loader thread writes (this prefetch's alone until settled)
     future: Future
     settled: bool = False  # polled: the node is on the host now, or the slots went back
@@ -192,6 +195,7 @@ class RadixCache(PrefixCache):
         self._heaps: dict[str, list] = {t: [] for t in TIERS}
         self._num_nodes = 0
         self._held = {"host": 0, "disk": 0}  # tokens whose KV lives in each lower tier
+        self._file_refs: dict[int, int] = {}  # disk file -> the nodes that read a range of it
 
     # ----- lookup -----
     def _child_key(self, key: list[int], pos: int):
@@ -202,7 +206,6 @@ class RadixCache(PrefixCache):
         """Descend along `key` from `root`, splitting where the match ends mid-edge; touch the path.
 
         Returns the deepest node whose whole path is a prefix of key, and that prefix's length.
-        A disk node that would be split is forgotten with its subtree (files are read whole).
         """
         self._clock += 1
         node, pos, p = root, 0, self.page_size
@@ -213,9 +216,6 @@ class RadixCache(PrefixCache):
             n = _common_len(child.key, key[pos : pos + len(child.key)])
             n -= n % p
             if n < len(child.key):
-                if child.disk is not None:
-                    self._drop_subtree(child)
-                    break
                 # Only the upper part was used; the lower part keeps its stamp (and heap entry).
                 node, pos = self._split(child, n), pos + n
                 node.touch(self._clock)
@@ -228,13 +228,16 @@ class RadixCache(PrefixCache):
 
     def _split(self, child: _Node, n: int) -> _Node:
         """Cut `child`'s edge after n tokens; the new upper node inherits its lock count and tier."""
-        assert child.disk is None, "disk nodes are never split"
         top = _Node(
             child.key[:n], child.value[:n], child.parent, child.stamp, next(self._ids), hits=child.hits
         )
         top.lock_ref = child.lock_ref
         if child.host is not None:
             top.host, child.host = child.host[:n], child.host[n:]
+        if child.disk is not None:  # both parts read their range of the one file
+            top.disk, top.disk_off = child.disk, child.disk_off
+            child.disk_off += n
+            self._file_refs[child.disk] += 1
         top.children[self._child_key(child.key, n)] = child
         assert child.parent is not None  # only edges below a node are split
         child.parent.children[self._child_key(child.key, 0)] = top
@@ -309,7 +312,7 @@ class RadixCache(PrefixCache):
             if tier == "host":
                 self.host_tier.load(node.host, slots)
                 self._forget_copy(node)
-            elif self.disk_tier.fetch(node.disk, self.pool, slots):
+            elif self.disk_tier.fetch(node.disk, self.pool, slots, node.disk_off):
                 self._forget_copy(node)
             else:
                 self.pool.free(slots)
@@ -354,9 +357,13 @@ class RadixCache(PrefixCache):
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-loader")
                 future = self._loader.submit(
-                    self.disk_tier.read, self.disk_tier.path(node.disk), self.host_tier.pool, slots
+                    self.disk_tier.read,
+                    self.disk_tier.path(node.disk),
+                    self.host_tier.pool,
+                    slots,
+                    node.disk_off,
                 )
-                pending = Prefetch(node, node.disk, slots, future)
+                pending = Prefetch(node, node.disk, node.disk_off, slots, future)
                 self._prefetches.append(pending)
                 self._loading[id(node)] = pending
                 waits.append(pending)
@@ -381,7 +388,12 @@ class RadixCache(PrefixCache):
         still: list[Prefetch] = []
         for p in self._prefetches:
             node, parent = p.node, p.node.parent
-            current = parent is not None and node.disk == p.key
+            current = (
+                parent is not None
+                and node.disk == p.key
+                and node.disk_off == p.offset
+                and len(node.key) == len(p.slots)  # not split meanwhile
+            )
             if not p.future.done() or (
                 parent is not None and current and parent.tier == "disk" and id(parent) in self._loading
             ):
@@ -605,7 +617,8 @@ class RadixCache(PrefixCache):
             if key is None:
                 self._drop_subtree(node, pending=n)
             else:
-                node.disk = key
+                node.disk, node.disk_off = key, 0
+                self._file_refs[key] = 1
                 self._held["disk"] += n
                 self._moves["tier_host_to_disk_tokens"] += n
                 self._push(node)
@@ -634,7 +647,10 @@ class RadixCache(PrefixCache):
             node.host = None
             self._held["host"] -= len(node.key)
         elif node.disk is not None:
-            self.disk_tier.drop(node.disk)
+            self._file_refs[node.disk] -= 1
+            if not self._file_refs[node.disk]:
+                del self._file_refs[node.disk]
+                self.disk_tier.drop(node.disk)
             node.disk = None
             self._held["disk"] -= len(node.key)
         else:
@@ -748,14 +764,15 @@ class RadixCache(PrefixCache):
     def check_integrity(self) -> None:
         """Raise AssertionError when sizes, locks, links, slots, tiers or the eviction heaps
         disagree. The tier invariant: every node's KV is in exactly one tier, the tiers nest from
-        the root, and every host slot and disk file is one node's or free."""
+        the root, every host slot is one node's, free or an in-flight read's, and every disk file is
+        read by the nodes that count it."""
         p, seen, sizes = self.page_size, set(), [0, 0]
         is_free = getattr(self.pool, "is_free", None)
         heap_ok = {
             (t, id(n)) for t, heap in self._heaps.items() for s, _, n in heap if self._entry_valid(t, s, n)
         }
         host_seen: set[int] = set()
-        disk_seen: set[int] = set()
+        disk_seen: dict[int, int] = {}  # file -> nodes reading a range of it
         order = {t: i for i, t in enumerate(TIERS)}
         held = {"host": 0, "disk": 0}
         count = 0
@@ -785,8 +802,7 @@ class RadixCache(PrefixCache):
                 host_seen.update(node.host)
             else:
                 held["disk"] += len(node.key)
-                assert node.disk not in disk_seen, "disk file held twice"
-                disk_seen.add(node.disk)
+                disk_seen[node.disk] = disk_seen.get(node.disk, 0) + 1
             if self._evictable_in(node, tier):
                 assert (tier, id(node)) in heap_ok, f"evictable {tier} leaf missing from its heap"
         assert sizes == [self._evictable, self._protected], (sizes, self._evictable, self._protected)
@@ -799,4 +815,7 @@ class RadixCache(PrefixCache):
                 "host slot leaked"
             )
         if self.disk_tier is not None:
-            assert disk_seen == set(self.disk_tier.keys()), "disk file leaked or missing"
+            assert disk_seen == self._file_refs, (disk_seen, self._file_refs)
+            # A file that failed a read is forgotten at once; the other nodes sharing it fail
+            # their own reads later. No file is kept that no node reads.
+            assert set(self.disk_tier.keys()) <= set(disk_seen), "disk file leaked"
