@@ -241,6 +241,18 @@ def test_a_prefetch_reads_the_disk_off_the_calling_thread_and_admission_loads_fr
     assert t.cache.tier_stats()["tier_host_loaded_tokens"] == 7
 
 
+def test_with_the_host_tier_held_by_reads_in_flight_eviction_goes_straight_to_disk(tmp_path, monkeypatch):
+    t = on_disk(tmp_path)
+    reads = GatedReads(monkeypatch)
+    t.cache.prefetch(t.cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]))  # all 8 host slots in flight
+    assert reads.started.wait(10) and t.host.available() == 0
+    assert t.run([7] * 8) == (0, 0)  # [8]*8 leaves the device: no host room, so to disk
+    assert t.cache.tier_stats()["tier_device_to_disk_tokens"] == 8
+    assert t.cache.tier_stats()["tier_dropped_tokens"] == 0 and t.where([8] * 8) == (0, 8)
+    reads.settle(t.cache)
+    t.cache.check_integrity()
+
+
 def test_a_prefetch_whose_node_is_recomputed_meanwhile_gives_its_slots_back(tmp_path, monkeypatch):
     t = on_disk(tmp_path)
     reads = GatedReads(monkeypatch)

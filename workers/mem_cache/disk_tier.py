@@ -55,7 +55,8 @@ class DiskTier:
         """Write the K/V of `slots` to a new file: its key, or None when it cannot be written."""
         idx = torch.tensor(slots, dtype=torch.long)
         parts = [
-            buf.index_select(0, idx).contiguous().view(torch.uint8) for buf in pool.k_buffers + pool.v_buffers
+            buf.index_select(0, idx.to(buf.device)).cpu().contiguous().view(torch.uint8)
+            for buf in pool.k_buffers + pool.v_buffers
         ]
         payload = b"".join(p.numpy().tobytes() for p in parts)
         size = _HEADER.size + len(payload)

@@ -170,6 +170,7 @@ class RadixCache(PrefixCache):
             (
                 "tier_device_to_host_tokens",
                 "tier_host_to_disk_tokens",
+                "tier_device_to_disk_tokens",
                 "tier_dropped_tokens",
                 "tier_host_loaded_tokens",
                 "tier_disk_loaded_tokens",
@@ -577,9 +578,21 @@ class RadixCache(PrefixCache):
             if node is None:
                 break
             host = self._write_back(node.value)  # may evict host leaves, never this node
+            key = None
+            if host is None and not any(c.tier == "host" for c in node.children.values()):
+                # The host tier has no room (its slots held by reads in flight, or the node is
+                # larger than it): straight to disk, where the tiers still nest.
+                key = self._spill(node.value, self.pool)
             slots, node.value = node.value, []
             self._evictable -= len(slots)
-            if host is None:
+            if key is not None:
+                node.disk, node.disk_off = key, 0
+                self._file_refs[key] = 1
+                self._held["disk"] += len(slots)
+                self._moves["tier_device_to_disk_tokens"] += len(slots)
+                self._push(node)
+                self._push(node.parent)
+            elif host is None:
                 self._drop_subtree(node, pending=len(slots))
             else:
                 node.host = host
@@ -625,18 +638,21 @@ class RadixCache(PrefixCache):
                 self._push(node.parent)
             freed += n
 
-    def _spill(self, host_slots: list[int]) -> int | None:
+    def _spill(self, slots: list[int], pool: Any = None) -> int | None:
+        """A new disk file with the K/V of `slots` of `pool` (the host tier's by default), making
+        room by forgetting the disk's leaves; None when there is no disk tier or no room."""
         disk = self.disk_tier
         if disk is None:
             return None
-        need = disk.file_bytes(self.host_tier.pool, len(host_slots))
+        pool = self.host_tier.pool if pool is None else pool
+        need = disk.file_bytes(pool, len(slots))
         while disk.used_bytes + need > disk.max_bytes:
             node = self._pop("disk")
             if node is None:
                 return None
             self._drop_subtree(node)
         start = time.perf_counter()
-        key = disk.spill(self.host_tier.pool, host_slots)
+        key = disk.spill(pool, slots)
         self._moves["tier_disk_write_seconds"] += time.perf_counter() - start
         return key
 
