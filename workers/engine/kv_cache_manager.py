@@ -72,20 +72,14 @@ class KVCacheManager:
 
     def loading(self, req: Req) -> bool:
         """Whether the sequence waits for a disk read of its prefix (admit it after)."""
-        waits = self._waits.get(req.key)
-        if waits is None:
-            return False
-        if all(w.settled for w in waits):
-            del self._waits[req.key]
-            return False
-        return True
+        return any(not w.settled for w in self._waits.get(req.key, ()))
 
     def poll(self) -> None:
-        """Settle the disk reads that are done (each step, before admission)."""
-        if self._waits or self.cache.prefetches:
+        """Settle the disk reads that are done (each step, before admission), and forget the
+        waits that are over (an aborted sequence's too)."""
+        if self.cache.prefetches:
             self.cache.poll_prefetches()
-            for key in [k for k, ws in self._waits.items() if all(w.settled for w in ws)]:
-                del self._waits[key]
+            self._waits = {k: ws for k, ws in self._waits.items() if any(not w.settled for w in ws)}
 
     # Allocation ------------------------------------------------------------------------------
     def open(self, req: Req) -> bool:

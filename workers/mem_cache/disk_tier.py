@@ -126,9 +126,13 @@ class DiskTier:
 
     def failed(self, key: int, error: BaseException) -> None:
         """A read of file `key` failed: log it, count it and forget the file."""
+        self.read_failed(key, error)
+        self.drop(key)
+
+    def read_failed(self, key: int, error: BaseException) -> None:
+        """Log and count a failed read of file `key` (its owner forgets it)."""
         self.failures += 1
         log.warning("disk tier: file %d unreadable (%s); its tokens will be recomputed", key, error)
-        self.drop(key)
 
     def drop(self, key: int) -> None:
         size = self._sizes.pop(key, None)

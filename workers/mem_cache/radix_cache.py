@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import time
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,8 +55,6 @@ from radixserve.workers.mem_cache.prefix_cache import MatchResult, PrefixCache
 if TYPE_CHECKING:  # the cache is torch-free bookkeeping; the pool and tiers are only duck-typed
     from radixserve.workers.mem_cache.kv_pool import KVPool
 
-
-log = logging.getLogger(__name__)
 
 EVICTION_POLICIES = ("lru", "lfu")
 TIERS = ("device", "host", "disk")
@@ -408,8 +405,7 @@ class RadixCache(PrefixCache):
             elif error is not None:
                 self.host_tier.free(p.slots)
                 self._moves["tier_disk_load_failures"] += 1
-                log.warning("disk tier: file %d unreadable (%s); its tokens will be recomputed", p.key, error)
-                self.disk_tier.failures += 1
+                self.disk_tier.read_failed(p.key, error)
                 self._drop_subtree(node)
             else:
                 self.disk_tier.read_done(p.key)
