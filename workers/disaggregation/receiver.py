@@ -54,6 +54,9 @@ class Connection:
     backlog: Callable[[], int] | None = None
     next_seq: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    # The last heartbeat this side sent: past `peer_timeout` (this process stalled: stopped,
+    # swapped, starved) the sender has given the pair up, whatever is still in its backlog.
+    last_sent: float = field(default_factory=time.monotonic)
     busy: bool = False  # inside a payload read, whose own timeout bounds it
 
 
@@ -158,6 +161,8 @@ class KVReceiver:
         for h in late:
             h.fail(TransferTimeout(f"transfer {h.transfer_id!r}: not complete within its deadline"))
         for conn in conns:
+            if self._mute(conn, now):
+                continue
             silent = now - conn.last_seen
             if not conn.busy and silent > self._config.peer_timeout and not self._lagging(conn):
                 self.drop(conn.key, PeerLost(f"no word from prefill replica {conn.peer!r} for {silent:.1f}s"))
@@ -166,6 +171,18 @@ class KVReceiver:
                 conn.ack(Frame(FrameKind.HEARTBEAT))
             except Exception as exc:  # any failure of the link ends the connection
                 self.drop(conn.key, PeerLost(f"heartbeat to prefill replica {conn.peer!r} failed: {exc}"))
+                continue
+            conn.last_sent = now
+
+    def _mute(self, conn: Connection, now: float) -> bool:
+        """Drop `conn` if this side sent it no heartbeat for `peer_timeout`: the sender has then
+        declared the pair lost, so a transfer it began must not complete here either (the frames
+        a stalled process finds in its backlog on waking would otherwise finish it)."""
+        mute = now - conn.last_sent
+        if mute <= self._config.peer_timeout:
+            return False
+        self.drop(conn.key, PeerLost(f"no heartbeat went to prefill replica {conn.peer!r} for {mute:.1f}s"))
+        return True
 
     def _lagging(self, conn: Connection) -> bool:
         try:
@@ -239,6 +256,8 @@ class KVReceiver:
             self._refuse(conn, frame.transfer_id, problem, handle)
 
     def _on_end(self, conn: Connection, frame: Frame) -> None:
+        if self._mute(conn, time.monotonic()):
+            return
         handle = self._handle(conn, frame.transfer_id)
         if handle is None:
             conn.ack(Frame(FrameKind.ACK, frame.transfer_id, error="not expected (expired or cancelled)"))

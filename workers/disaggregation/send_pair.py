@@ -127,7 +127,11 @@ class SendPair:
             )
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _settle(self, handle: SendHandle, error: KVTransferError | None) -> bool:
         with self._lock:

@@ -30,6 +30,9 @@ class KVSender:
         self._config = config
         self._open_link = open_link
         self._pairs: dict[tuple[str, str], SendPair] = {}
+        # Broken pairs out of the map whose threads may still be winding down (closing the
+        # link): `close` joins them too, so a closed engine leaves no thread behind.
+        self._ending: list[SendPair] = []
         self._open: dict[str, SendHandle] = {}  # by transfer id, until settled
         self._lock = threading.Lock()
         self._closed = False
@@ -96,9 +99,10 @@ class KVSender:
         with self._lock:
             self._closed = True
             pairs = list(self._pairs.values())
+            ending, self._ending = self._ending, []
         for pair in pairs:
             pair.break_(PeerLost("the KV transfer engine closed"))
-        for pair in pairs:
+        for pair in pairs + ending:
             pair.join(self._config.op_timeout)
 
     def _pair(self, endpoint: KVEndpoint) -> SendPair:
@@ -119,3 +123,4 @@ class KVSender:
             key = (pair.endpoint.replica_id, pair.endpoint.address)
             if self._pairs.get(key) is pair:
                 del self._pairs[key]
+            self._ending = [p for p in self._ending if p.alive()] + [pair]
