@@ -25,8 +25,13 @@ pytestmark = pytest.mark.slow  # starts a live Ray Serve app
 KEY = "sk-fuzz"
 KV_TOTAL = 4096
 MODEL = "SmolLM2-135M-Instruct"
-# Examples per route: about 300 requests in all, a few minutes on two cores.
-EXAMPLES = {"chat": 90, "completions": 70, "generate": 70, "tokenize": 25, "detokenize": 15, "raw": 30}
+# Examples per route: about 200 requests in all, two to three minutes on two cores. A longer hunt:
+# RADIXSERVE_FUZZ_SCALE=5 (five times as many of each).
+SCALE = float(os.environ.get("RADIXSERVE_FUZZ_SCALE", "1"))
+EXAMPLES = {
+    k: max(1, round(v * SCALE))
+    for k, v in {"chat": 55, "completions": 45, "generate": 45, "tokenize": 20, "detokenize": 12, "raw": 25}.items()
+}
 # CI replays the same examples on every run (a red CI run is then the change's doing, and repeats);
 # elsewhere each run draws new ones, and hypothesis keeps the failures it found in .hypothesis/.
 FUZZ = settings(
