@@ -27,6 +27,7 @@ def assert_kv_invariant(engine) -> None:
     assert s["kv_protected"] == 0, s
     assert kv_invariant_ok(core.pool, core.cache)
     assert core.req_pool.available() == core.req_pool.max_reqs
+    assert s.get("lora_slots_held", 0) == 0, s
 
 
 def hf_greedy(model_dir: str, prompts_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -30,7 +30,14 @@ MODEL = "SmolLM2-135M-Instruct"
 SCALE = float(os.environ.get("RADIXSERVE_FUZZ_SCALE", "1"))
 EXAMPLES = {
     k: max(1, round(v * SCALE))
-    for k, v in {"chat": 55, "completions": 45, "generate": 45, "tokenize": 20, "detokenize": 12, "raw": 25}.items()
+    for k, v in {
+        "chat": 55,
+        "completions": 45,
+        "generate": 45,
+        "tokenize": 20,
+        "detokenize": 12,
+        "raw": 25,
+    }.items()
 }
 # CI replays the same examples on every run (a red CI run is then the change's doing, and repeats);
 # elsewhere each run draws new ones, and hypothesis keeps the failures it found in .hypothesis/.

@@ -360,6 +360,35 @@ def is_attempt_of(key: str, rid: str) -> bool:
     return key == rid or key.startswith(rid + ATTEMPT_SEP)
 
 
+@dataclass(frozen=True)
+class LoRARef:
+    """The LoRA adapter a request runs with: its name and its directory, so that any replica can
+    load it (one started after the adapter was loaded elsewhere included)."""
+
+    name: str
+    path: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "path": self.path}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> LoRARef | None:
+        if d is None:
+            return None
+        if (
+            not isinstance(d, dict)
+            or not isinstance(d.get("name"), str)
+            or not isinstance(d.get("path"), str)
+        ):
+            raise InvalidRequest(f"lora must be {{name, path}} strings, got {d!r}")
+        return cls(d["name"], d["path"])
+
+    def namespace(self, tenant: str | None) -> str:
+        """The cache namespace of this adapter's requests within a tenant's (or the shared one):
+        the same prompt under two adapters, or two tenants, never shares KV."""
+        return f"{tenant or ''}\x1flora\x1f{self.name}\x1f{self.path}"
+
+
 @dataclass
 class GenerateRequest:
     """One generation request as the router hands it to a replica (tokenized already)."""
@@ -367,8 +396,9 @@ class GenerateRequest:
     input_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    namespace: str | None = None  # cache isolation key (tenant salt; LoRA id later)
+    namespace: str | None = None  # cache isolation key (tenant salt, LoRA adapter: LoRARef.namespace)
     stream: bool = False
+    lora: LoRARef | None = None  # None: the base model
     # PD mode, to a prefill replica: one decode replica's `KVReservation.tickets` (one per
     # sequence). The replica computes the prompt, streams the first token and sends the KV there.
     kv_tickets: list[KVTicket] | None = None
@@ -389,6 +419,8 @@ class GenerateRequest:
             d["kv_tickets"] = [t.to_dict() for t in self.kv_tickets]
         if self.output_prefix is not None:
             d["output_prefix"] = [list(ids) for ids in self.output_prefix]
+        if self.lora is not None:
+            d["lora"] = self.lora.to_dict()
         return d
 
     @classmethod
@@ -402,6 +434,7 @@ class GenerateRequest:
             stream=bool(d.get("stream")),
             kv_tickets=None if tickets is None else [KVTicket.from_dict(t) for t in tickets],
             output_prefix=d.get("output_prefix"),
+            lora=LoRARef.from_dict(d.get("lora")),
         )
 
 

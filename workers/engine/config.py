@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,16 @@ class EngineConfig:
     hicache_disk_dir: str | None = None
     hicache_disk_size: float = 0.0
     enable_overlap: bool | None = None  # None = DEFAULT_OVERLAP of the device
+    # Multi-LoRA (workers/lora/): adapters served at start ("name=path", or a path named after its
+    # directory); enable_lora also without any, for adapters loaded at run time. A batch mixes at
+    # most max_loras_per_batch adapters; max_lora_rank (None: the largest rank of lora_paths, at
+    # least 16) sizes the batch buffers; max_loaded_loras (None: twice max_loras_per_batch, or
+    # all of lora_paths if more) adapters stay in memory, the least recently used dropped beyond.
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    max_loaded_loras: int | None = None
     attention_backend: str = "auto"  # models/attention.py: auto | cpu | torch | triton | torch_ref
     # CUDA graphs of the decode forward, one per batch-size bucket (CUDA only; tp_size 1).
     disable_cuda_graph: bool = False
@@ -141,6 +152,7 @@ class EngineConfig:
         if self.deterministic:
             self._check_deterministic()
         self._check_quantization()
+        self._check_lora()
 
     @property
     def decodes(self) -> bool:
@@ -184,6 +196,51 @@ class EngineConfig:
             raise ValueError("quantized weights run at tp_size 1")
         if self.deterministic:
             raise ValueError("deterministic mode runs the fixed-order bf16 GEMM, not quantized weights")
+
+    def _check_lora(self) -> None:
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths or ()))
+        self.lora_adapters  # raises for a malformed entry
+        if self.max_loras_per_batch < 1:
+            raise ValueError("max_loras_per_batch must be >= 1")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be >= 1")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError("max_loaded_loras must be >= max_loras_per_batch")
+        if not self.lora_enabled:
+            return
+        if self.tp_size > 1:
+            raise ValueError("LoRA adapters are served at tp_size 1")
+        if self.role is not Role.UNIFIED:
+            raise ValueError("LoRA adapters are served by unified replicas, not prefill/decode pools")
+        if self.deterministic:
+            raise ValueError("deterministic mode runs fixed-order GEMMs only: not with LoRA adapters")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """lora_paths as {name: path}."""
+        out: dict[str, str] = {}
+        for entry in self.lora_paths:
+            if not isinstance(entry, str) or not entry.strip("= "):
+                raise ValueError(f"lora_paths entries are name=path or a path, not {entry!r}")
+            name, sep, path = entry.partition("=")
+            if not sep:
+                name, path = os.path.basename(os.path.normpath(entry)), entry
+            if not name or not path:
+                raise ValueError(f"lora_paths entries are name=path or a path, not {entry!r}")
+            if name in out:
+                raise ValueError(f"lora_paths names adapter {name!r} twice")
+            out[name] = path
+        return out
+
+    @property
+    def loaded_loras_cap(self) -> int:
+        if self.max_loaded_loras is not None:
+            return self.max_loaded_loras
+        return max(2 * self.max_loras_per_batch, len(self.lora_paths))
 
     @property
     def parallel(self) -> ParallelConfig:

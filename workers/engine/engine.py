@@ -39,6 +39,7 @@ from radixserve.workers.protocol import (
     EngineLoad,
     GenerateRequest,
     InvalidRequest,
+    LoRARef,
     OutputChunk,
     QueueFull,
     ReplicaStats,
@@ -282,7 +283,36 @@ class Engine:
             pass
 
     # High-level API --------------------------------------------------------------------------
-    def _requests(self, prompt, sampling_params, input_ids) -> tuple[list[GenerateRequest], bool]:
+    # LoRA adapters (thread-safe) ----------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name` (reads and checks it on the calling thread: call
+        it off any event loop); raises LoRAError (a ValueError) for one this engine cannot serve."""
+        if self.core.lora is None:
+            raise InvalidRequest("this engine runs no LoRA adapters (start it with enable_lora)", "lora")
+        self.core.lora.register(name, path)
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving `name` (running requests finish with it); False if it was not served."""
+        return self.core.lora is not None and self.core.lora.unregister(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served, {name: path}."""
+        return {} if self.core.lora is None else self.core.lora.registered()
+
+    def loaded_lora_adapters(self) -> list[str]:
+        """Names of the adapters in memory, least recently used first."""
+        return [] if self.core.lora is None else self.core.lora.loaded()
+
+    def lora_ref(self, name: str) -> LoRARef:
+        path = self.lora_adapters().get(name)
+        if path is None:
+            raise InvalidRequest(f"no LoRA adapter named {name!r} is loaded", "lora_path")
+        return LoRARef(name, path)
+
+    # High-level API --------------------------------------------------------------------------
+    def _requests(
+        self, prompt, sampling_params, input_ids, lora_path=None
+    ) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of prompt or input_ids", "prompt")
         batched = isinstance(prompt, list) or (
@@ -296,9 +326,16 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
         if len(params) != len(id_lists):
             raise InvalidRequest("sampling_params list must match the number of prompts", "sampling_params")
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(id_lists)
+        if len(loras) != len(id_lists):
+            raise InvalidRequest("lora_path list must match the number of prompts", "lora_path")
         reqs = [
-            GenerateRequest(input_ids=list(ids), sampling_params=SamplingParams.from_dict(p))
-            for ids, p in zip(id_lists, params)
+            GenerateRequest(
+                input_ids=list(ids),
+                sampling_params=SamplingParams.from_dict(p),
+                lora=None if name is None else self.lora_ref(name),
+            )
+            for ids, p, name in zip(id_lists, params, loras)
         ]
         return reqs, batched
 
@@ -313,10 +350,13 @@ class Engine:
             )
         return [outs[i] for i in sorted(outs)]
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
+    async def async_generate(
+        self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, lora_path=None
+    ):
         """Returns the result dict (a list for batched input or n > 1); with stream=True an async
-        iterator of cumulative result dicts, one per new chunk."""
-        reqs, batched = self._requests(prompt, sampling_params, input_ids)
+        iterator of cumulative result dicts, one per new chunk. `lora_path`: the name of a loaded
+        adapter (or one per prompt, None for the base model)."""
+        reqs, batched = self._requests(prompt, sampling_params, input_ids, lora_path)
         if stream:
             if len(reqs) != 1:
                 raise InvalidRequest("streaming takes a single prompt", "prompt")
@@ -333,11 +373,13 @@ class Engine:
             _merge(out, chunk, self.tokenizer, request.input_ids)
             yield dict(out, index=chunk.index, meta_info=dict(out["meta_info"]))
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None):
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, lora_path=None):
         """Synchronous generate; same return shape as `async_generate`."""
         loop = asyncio.new_event_loop()
         try:
-            return loop.run_until_complete(self.async_generate(prompt, sampling_params, input_ids))
+            return loop.run_until_complete(
+                self.async_generate(prompt, sampling_params, input_ids, lora_path=lora_path)
+            )
         finally:
             loop.close()
 

@@ -58,6 +58,8 @@ from radixserve.workers.executor.model_runner import ModelRunner
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.executor.tp_kv import KVLayout, fingerprint_of
 from radixserve.workers.executor.tp_leader import TPLeader
+from radixserve.workers.lora.adapter import LoRAError, config_rank
+from radixserve.workers.lora.manager import LoRAManager
 from radixserve.workers.mem_cache.disk_tier import DiskTier
 from radixserve.workers.mem_cache.host_tier import HostTier
 from radixserve.workers.mem_cache.kv_pool import KVPool
@@ -84,6 +86,7 @@ DEFAULT_GPU_MEM_FRACTION = 0.85
 IDLE_POLL_S = 0.5
 GRAMMAR_POLL_S = 0.002  # while only grammar compiles are pending
 TRANSFER_POLL_S = 0.002  # while only KV transfers are pending
+DEFAULT_MAX_LORA_RANK = 16  # the batch buffers' rank when no start-up adapter needs more
 
 
 class EngineCore:
@@ -116,6 +119,7 @@ class EngineCore:
                 quantization=config.quantization,
             )
             mc = loaded.config
+            self.lora = _lora_manager(config, loaded.model, mc.dtype, self.device)
             self.pool = KVPool(
                 mc.num_layers,
                 loaded.local_kv_heads,
@@ -149,9 +153,11 @@ class EngineCore:
                 disk_tier=self.disk_tier,
             )
         )
-        self.scheduler = Scheduler(config, self.pool, self.req_pool, self.cache)
+        self.scheduler = Scheduler(config, self.pool, self.req_pool, self.cache, self.lora)
         self.attention_backend = str(loaded.model.backend.name)
-        self.runner = ModelRunner(self.tp.wrap(loaded.model), self.pool, self.req_pool, self.device)
+        self.runner = ModelRunner(
+            self.tp.wrap(loaded.model), self.pool, self.req_pool, self.device, self.lora
+        )
         if self._use_cuda_graphs(loaded.model):
             self.runner.capture_decode_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
         self.vocab_size = len(self.tokenizer)
@@ -165,7 +171,9 @@ class EngineCore:
         )
         self.overlap = config.overlap(self.device.type)
         self.worker = ForwardWorker(self.runner, self.sampler, threaded=self.overlap)
-        self.requests = RequestBuilder(self.tokenizer, self.sampler, self.context_length, self.pool.size)
+        self.requests = RequestBuilder(
+            self.tokenizer, self.sampler, self.context_length, self.pool.size, lora=self.lora is not None
+        )
         self.grammars = GrammarQueue(
             self.tokenizer,
             mc.vocab_size,
@@ -207,6 +215,8 @@ class EngineCore:
             fraction = self.config.mem_fraction_static or DEFAULT_GPU_MEM_FRACTION
             return max_tokens_for_memory(fraction, total - free, per_token, total)
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        if self.lora is not None:  # the batch slots' buffers, and the adapters kept in memory
+            weight_bytes += self.lora.nbytes + self.lora.loaded_bytes_cap
         fraction = self.config.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
         return max_tokens_for_memory(fraction, weight_bytes, per_token)
 
@@ -272,6 +282,7 @@ class EngineCore:
             **self.outputs.counters,
             **self.timing.summary(),
             **pd,
+            **(self.lora.stats() if self.lora is not None else {}),
         )
 
     # Commands (engine thread, between steps) -------------------------------------------------
@@ -568,6 +579,28 @@ class EngineCore:
         self.cache.close()
         if self.disk_tier is not None:
             self.disk_tier.close()
+        if self.lora is not None:
+            self.lora.close()
+
+
+def _lora_manager(
+    config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device
+) -> LoRAManager | None:
+    """The engine's adapters, the start-up ones loaded (a bad one fails the start, naming it)."""
+    if not config.lora_enabled:
+        return None
+    adapters = config.lora_adapters
+    rank = config.max_lora_rank
+    if rank is None:
+        rank = max([DEFAULT_MAX_LORA_RANK, *(config_rank(p) for p in adapters.values())])
+    manager = LoRAManager(model, config.max_loras_per_batch, rank, config.loaded_loras_cap, dtype, device)
+    for name, path in adapters.items():
+        try:
+            manager.register(name, path)
+        except LoRAError as exc:
+            manager.close()
+            raise LoRAError(f"LoRA adapter {name!r}: {exc}") from None
+    return manager
 
 
 def _disk_tier(config: EngineConfig) -> DiskTier | None:

@@ -46,6 +46,8 @@ class Req:
         self.output_ids: list[int] = []
         self.params = params
         self.namespace = namespace
+        self.lora: tuple[str, str] | None = None  # (name, path) of its LoRA adapter; None: the base model
+        self.lora_slot: int | None = None  # the adapter's batch slot while running (lora/manager.py)
         self.status = ReqStatus.WAITING
         self.finish_reason: dict[str, Any] | None = None
         # KV state

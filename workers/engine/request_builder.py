@@ -20,7 +20,10 @@ from radixserve.workers.sampling.sampler import Sampler
 
 
 class RequestBuilder:
-    def __init__(self, tokenizer: Any, sampler: Sampler, context_length: int, kv_pool_tokens: int):
+    def __init__(
+        self, tokenizer: Any, sampler: Sampler, context_length: int, kv_pool_tokens: int, lora: bool = False
+    ):
+        self.lora = lora  # whether this engine serves LoRA adapters
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.vocab_size = len(tokenizer)
@@ -39,9 +42,17 @@ class RequestBuilder:
         check_context_length(len(ids), p.max_new_tokens, self.context_length)
         self._check_fits_kv_pool(len(ids), p.max_new_tokens)
         prefixes = self._output_prefix(request)
+        namespace, lora = request.namespace, request.lora
+        if lora is not None:
+            if not self.lora:
+                raise InvalidRequest(
+                    "this server runs no LoRA adapters (start it with --enable-lora)", "lora"
+                )
+            namespace = lora.namespace(namespace)  # never a cache hit across adapters
         reqs = []
         for i in range(p.n):
-            req = Req(request.rid, i, list(ids), p, request.namespace)
+            req = Req(request.rid, i, list(ids), p, namespace)
+            req.lora = None if lora is None else (lora.name, lora.path)
             req.resume_ids = prefixes[i]
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop)
             if p.seed is not None:

@@ -40,8 +40,9 @@ MAX_INPUT_LOGPROB_ROWS = 256
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: Any, req_pool: Any, cache: Any):
+    def __init__(self, config: EngineConfig, pool: Any, req_pool: Any, cache: Any, lora: Any = None):
         self.config = config
+        self.lora = lora  # the LoRAManager when the engine serves adapters (workers/lora/)
         self.kv = KVCacheManager(pool, req_pool, cache)
         self.pool = pool
         self.cache = cache
@@ -62,14 +63,32 @@ class Scheduler:
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
         self.kv.prefetch(req)
+        if self.lora is not None:
+            self.lora.prepare(req)
 
     def only_loading(self) -> bool:
-        """Whether every sequence waits for a disk read of its prefix and nothing else runs."""
+        """Whether every sequence waits for a read (its prefix from disk, its LoRA adapter) and
+        nothing else runs."""
         return (
             not (self.running or self.remote or self.sending)
             and bool(self.waiting)
-            and all(self.kv.loading(r) for r in self.waiting)
+            and all(self.kv.loading(r) or self._adapter_loading(r) for r in self.waiting)
         )
+
+    def _adapter_loading(self, req: Req) -> bool:
+        return self.lora is not None and self.lora.waiting_for(req) == "loading"
+
+    def _adapter_ready(self, req: Req) -> bool:
+        """Whether the request's adapter (if any) is in memory and has a batch slot for it. One
+        whose adapter failed to load ends with that error."""
+        if self.lora is None or req.lora is None:
+            return True
+        wait = self.lora.waiting_for(req)
+        if wait is not None:
+            if wait != "loading":
+                req.aborted, req.error = True, wait
+            return False
+        return self.lora.can_acquire(req)
 
     def has_work(self) -> bool:
         """Sequences to schedule, or holding slots while their KV moves."""
@@ -151,6 +170,8 @@ class Scheduler:
                 continue
             if self.kv.loading(req) or self.kv.prefetch(req):
                 continue  # its prefix is being read from disk: admitted once it is in host memory
+            if not self._adapter_ready(req):
+                continue  # its adapter is being read, or every batch slot holds another one
             n = self._try_admit(req, budget, plan, chunked=chunk is not None)
             if n is None:
                 break  # out of memory or rows: later requests would not fit either
@@ -187,6 +208,8 @@ class Scheduler:
             return None
         req.status = ReqStatus.RUNNING
         self.running.append(req)
+        if self.lora is not None:
+            self.lora.acquire(req)
         return n
 
     def _schedule_decode(self) -> ScheduledBatch | None:
@@ -242,6 +265,8 @@ class Scheduler:
         """Preempt a running request: its KV goes to the cache (recomputed or re-matched later)."""
         self.running.remove(victim)
         self.kv.release(victim)
+        if self.lora is not None:
+            self.lora.release(victim)
         victim.status = ReqStatus.WAITING
         victim.num_retractions += 1
         self.num_retractions += 1
@@ -276,6 +301,8 @@ class Scheduler:
             self.kv.drop(req)  # its KV never (fully) arrived: nothing of it is published
         else:
             self.kv.release(req)
+        if self.lora is not None:
+            self.lora.release(req)
         req.status = ReqStatus.FINISHED
 
     def take_ended(self, keeps_slots: Callable[[Req], bool]) -> list[Req]:

@@ -13,8 +13,16 @@ from radixserve.workers.models.forward_batch import ForwardBatch
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: Any, req_pool: Any, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: Any,
+        req_pool: Any,
+        device: str | torch.device = "cpu",
+        lora: Any = None,
+    ):
         self.model = model
+        self.lora = lora  # the engine's LoRAManager, when it serves adapters
         self.pool = pool
         self.req_pool = req_pool
         self.device = torch.device(device)
@@ -46,7 +54,10 @@ class ModelRunner:
         t_cols: list[int] = []
         t_vals: list[int] = []
         decode = plan.kind is BatchKind.DECODE
+        token_slots: list[int] = []
         for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
+            if self.lora is not None:
+                token_slots += [-1 if req.lora_slot is None else req.lora_slot] * n
             end = start + n
             row = req.row
             assert row is not None, "a scheduled request holds a table row"
@@ -85,12 +96,19 @@ class ModelRunner:
             logits_indices=logits_indices,
             seq_lens_list=seq_lens,
             extend_lens_list=extend_lens,
+            lora=None if self.lora is None else self.lora.batch(token_slots, self.device),
         )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] (float32): at the last new token of each sequence,
         then at the batch's extra rows."""
+        if batch.lora is not None:  # the captured graphs run the base model only
+            self.lora.ctx.batch = batch.lora
+            try:
+                return self.model(batch, self.pool)
+            finally:
+                self.lora.ctx.batch = None
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         return self.model(batch, self.pool)

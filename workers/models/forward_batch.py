@@ -39,6 +39,8 @@ class ForwardBatch:
     # Called with i once decoder layer i has run, its K/V for this batch written (queued, on a
     # device) to the pool: PD's prefill side starts sending that layer while the next ones run.
     layer_done: Callable[[int], None] | None = None
+    # The LoRA adapter slots of the batch's tokens (lora/layers.py LoRABatch); None: base model only.
+    lora: Any | None = None
 
     @property
     def batch_size(self) -> int:

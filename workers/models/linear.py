@@ -70,6 +70,8 @@ class Linear(nn.Module):
         self.fixed_order = False
         self._kernel: Any = None  # the extension's packed_linear, bound once packed
         self.quantized: nn.Module | None = None  # computes the forward in place of W once quantized
+        # Adds the LoRA deltas of the running batch's adapters to the output (workers/lora/).
+        self.lora: Any = None
 
     @property
     def packed(self) -> bool:
@@ -80,6 +82,12 @@ class Linear(nn.Module):
         return rows < self.packed_below
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        if self.lora is not None:
+            self.lora.add_(x, y)
+        return y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized(x)
         if x.dim() == 2 and x.shape[0] < self.packed_below:

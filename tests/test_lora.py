@@ -1,0 +1,265 @@
+"""Multi-LoRA in the engine: each adapter's greedy output equals transformers with the adapter
+merged (fp32, exact tokens), a batch mixing adapters equals the requests run one adapter at a
+time, the cache is namespaced by adapter, adapters load and unload at run time, and what the
+engine cannot serve is refused with its reason."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+
+from radixserve.workers.engine.engine import Engine
+from radixserve.workers.lora.adapter import LoRAError
+from radixserve.workers.models.loader import resolve_model_dir
+from radixserve.workers.protocol import InvalidRequest
+from tests.engine_utils import assert_kv_invariant
+from tests.lora_utils import ALL_TARGETS, hf_greedy, make_adapter, merged_hf
+from tests.tiny_models import make_tiny_checkpoint
+
+NEW = 10
+GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+# name -> (seed, rank, alpha, targets, extra LoraConfig fields)
+SPECS = {
+    "qv8": (1, 8, 16, ["q_proj", "v_proj"], {}),
+    "all16": (2, 16, 8, ALL_TARGETS, {"use_rslora": True}),
+    "mlp4": (3, 4, 8, ["gate_proj", "up_proj", "down_proj"], {}),
+    "attn8": (4, 8, 32, ["q_proj", "k_proj", "v_proj", "o_proj"], {"alpha_pattern": {"o_proj": 4}}),
+}
+
+
+@pytest.fixture(scope="module")
+def base_dir() -> str:
+    return str(resolve_model_dir(None)[0])
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: make_adapter(base_dir, str(root / name), seed, r, alpha, targets, std=0.1, **extra)
+        for name, (seed, r, alpha, targets, extra) in SPECS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(engine) -> list[list[int]]:
+    tok = engine.tokenizer
+    return [
+        tok.encode("The capital of France is"),
+        tok.encode("def fibonacci(n):\n"),
+        tok.encode("Once upon"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def engine(adapters):
+    eng = Engine(
+        dtype="float32",
+        max_total_tokens=4096,
+        lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()),
+        max_loras_per_batch=4,
+        num_threads=2,
+    )
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def references(base_dir, adapters, prompts) -> dict[str | None, list[list[int]]]:
+    out = {}
+    for name in [None, *adapters]:
+        hf = merged_hf(base_dir, None if name is None else adapters[name])
+        out[name] = [hf_greedy(hf, p, NEW) for p in prompts]
+    return out
+
+
+def outputs(engine, prompts, lora):
+    return [
+        o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=lora)
+    ]
+
+
+def test_each_adapter_equals_transformers_with_it_merged(engine, prompts, references):
+    assert len({json.dumps(r) for r in references.values()}) == len(references)  # each one matters
+    for name, refs in references.items():
+        assert outputs(engine, prompts, name) == refs, name
+    assert_kv_invariant(engine)
+
+
+def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(engine, prompts, references):
+    names = [None, *SPECS]
+    cases = [(name, k) for name in names for k in range(len(prompts))]
+
+    async def all_at_once():
+        return await asyncio.gather(
+            *(
+                engine.async_generate(input_ids=prompts[k], sampling_params=GREEDY, lora_path=name)
+                for name, k in cases
+            )
+        )
+
+    before = engine.stats()["step_steps"]
+    results = asyncio.run(all_at_once())
+    for (name, k), out in zip(cases, results):
+        assert out["output_ids"] == references[name][k], (name, k)
+    # Batched: far fewer steps than the 15 requests' tokens one request at a time.
+    assert engine.stats()["step_steps"] - before < 3 * NEW
+    assert_kv_invariant(engine)
+
+
+def test_the_cache_is_namespaced_by_adapter(engine):
+    prompt = engine.tokenizer.encode("A long shared system prompt. " * 12)
+    once = {"max_new_tokens": 2, "temperature": 0}
+
+    def cached(lora):
+        return engine.generate(input_ids=prompt, sampling_params=once, lora_path=lora)["meta_info"][
+            "cached_tokens"
+        ]
+
+    assert cached("qv8") == 0
+    assert cached("all16") == 0  # the same prompt under another adapter shares nothing
+    assert cached(None) == 0  # nor with the base model
+    assert cached("qv8") >= len(prompt) - 1 - engine.core.pool.page_size  # within one: all of it
+    assert_kv_invariant(engine)
+
+
+def test_load_and_unload_while_requests_run(engine, adapters, prompts, references, base_dir, tmp_path):
+    late = make_adapter(base_dir, str(tmp_path / "late"), seed=9, r=8, alpha=16, targets=["o_proj"], std=0.1)
+    late_refs = [hf_greedy(merged_hf(base_dir, late), p, NEW) for p in prompts]
+
+    async def traffic():
+        long = {**GREEDY, "max_new_tokens": 40}
+        running = [
+            asyncio.ensure_future(engine.async_generate(input_ids=p, sampling_params=long, lora_path="qv8"))
+            for p in prompts
+        ]
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(engine.load_lora_adapter, "late", late)
+        got = await engine.async_generate(input_ids=prompts, sampling_params=GREEDY, lora_path="late")
+        assert engine.unload_lora_adapter("qv8")
+        done = await asyncio.gather(*running)  # those running keep their adapter to the end
+        return got, done
+
+    got, done = asyncio.run(traffic())
+    assert [o["output_ids"] for o in got] == late_refs
+    long_refs = [hf_greedy(merged_hf(base_dir, adapters["qv8"]), p, 40) for p in prompts]
+    assert [o["output_ids"] for o in done] == long_refs
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'qv8'"):
+        outputs(engine, prompts, "qv8")
+    engine.load_lora_adapter("qv8", adapters["qv8"])
+    assert outputs(engine, prompts, "qv8") == references["qv8"]
+    assert set(engine.lora_adapters()) == {*SPECS, "late"}
+    assert_kv_invariant(engine)
+
+
+def test_what_cannot_be_served_is_refused_with_its_reason(engine, adapters, tmp_path, base_dir):
+    def variant(name: str, edit_config=None, edit_tensors=None) -> str:
+        src, dst = adapters["qv8"], tmp_path / name
+        dst.mkdir()
+        with open(os.path.join(src, "adapter_config.json")) as f:
+            config = json.load(f)
+        if edit_config:
+            edit_config(config)
+        (dst / "adapter_config.json").write_text(json.dumps(config))
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(os.path.join(src, "adapter_model.safetensors"))
+        if edit_tensors:
+            tensors = edit_tensors(tensors)
+        save_file(tensors, str(dst / "adapter_model.safetensors"))
+        return str(dst)
+
+    def first_a(t):
+        key = next(k for k in t if "lora_A" in k)
+        return {**t, key: torch.zeros(t[key].shape[0], t[key].shape[1] + 1)}
+
+    def over_rank(t):
+        return {
+            k: torch.zeros(64, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 64)
+            for k, v in t.items()
+        }
+
+    cases = {
+        variant("dora", lambda c: c.update(use_dora=True)): "DoRA",
+        variant("bias", lambda c: c.update(bias="all")): "trained biases",
+        variant("saves", lambda c: c.update(modules_to_save=["lm_head"])): "modules_to_save",
+        variant("shape", edit_tensors=first_a): "do not fit the model",
+        variant("rank", edit_tensors=over_rank): "over the maximum LoRA rank 16",
+        variant(
+            "embed",
+            edit_tensors=lambda t: {
+                **t,
+                "base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(8, 4),
+            },
+        ): "may be adapted",
+        str(tmp_path): "not a LoRA adapter directory",
+    }
+    for path, reason in cases.items():
+        with pytest.raises(LoRAError, match=reason):
+            engine.load_lora_adapter("bad", path)
+    assert "bad" not in engine.lora_adapters()
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named"):
+        outputs(engine, [[1, 2, 3]], "nope")
+
+
+def test_more_adapters_than_slots_and_memory_all_answer_right(adapters, prompts, references):
+    """Two batch slots, two adapters kept in memory, four adapters asked at once: requests wait
+    for a slot, adapters are dropped and read again, and every answer is still its adapter's."""
+    eng = Engine(
+        dtype="float32",
+        max_total_tokens=4096,
+        lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()),
+        max_loras_per_batch=2,
+        max_loaded_loras=2,
+        num_threads=2,
+    )
+    try:
+
+        async def all_at_once():
+            return await asyncio.gather(
+                *(eng.async_generate(input_ids=prompts, sampling_params=GREEDY, lora_path=n) for n in SPECS)
+            )
+
+        for name, outs in zip(SPECS, asyncio.run(all_at_once())):
+            assert [o["output_ids"] for o in outs] == references[name], name
+        assert eng.stats()["lora_loaded"] <= 2 + 2  # in memory: at most 2 loaded + the 2 in slots
+        assert_kv_invariant(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_tiny_qwen3_with_an_adapter_equals_transformers_merged(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "qwen3")
+    adapter = make_adapter(path, str(tmp_path / "ad"), seed=5, r=4, alpha=8, targets=ALL_TARGETS, std=0.2)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 17)]
+    refs = [hf_greedy(merged_hf(path, adapter), p, 8) for p in prompts]
+    base = [hf_greedy(merged_hf(path, None), p, 8) for p in prompts]
+    assert refs != base
+    eng = Engine(model_path=path, dtype="float32", max_total_tokens=1024, lora_paths=(f"ad={adapter}",))
+    try:
+        params = {**GREEDY, "max_new_tokens": 8}
+        out = eng.generate(input_ids=prompts, sampling_params=params, lora_path=["ad", None])
+        assert [o["output_ids"] for o in out] == [refs[0], base[1]]
+        assert_kv_invariant(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_lora_settings_are_checked():
+    with pytest.raises(ValueError, match="tp_size 1"):
+        Engine(dtype="float32", enable_lora=True, tp_size=2)
+    with pytest.raises(ValueError, match="max_loaded_loras must be >= max_loras_per_batch"):
+        Engine(dtype="float32", enable_lora=True, max_loras_per_batch=4, max_loaded_loras=2)
+    with pytest.raises(ValueError, match="name=path"):
+        Engine(dtype="float32", lora_paths=("=x",))
+    eng = Engine(dtype="float32", max_total_tokens=512)
+    try:
+        with pytest.raises(InvalidRequest, match="runs no LoRA adapters"):
+            eng.load_lora_adapter("a", "/nowhere")
+    finally:
+        eng.shutdown()
