@@ -199,7 +199,7 @@ class EngineConfig:
 
     def _check_lora(self) -> None:
         object.__setattr__(self, "lora_paths", tuple(self.lora_paths or ()))
-        self.lora_adapters  # raises for a malformed entry
+        _ = self.lora_adapters  # raises for a malformed entry
         if self.max_loras_per_batch < 1:
             raise ValueError("max_loras_per_batch must be >= 1")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
