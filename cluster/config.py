@@ -148,6 +148,7 @@ class RouterConfig:
     balance_abs_threshold: int = _POLICY.balance_abs_threshold
     balance_rel_threshold: float = _POLICY.balance_rel_threshold
     lower_tier_weight: float = _POLICY.lower_tier_weight
+    lora_affinity_load: int = _POLICY.lora_affinity_load
     router_sync_interval_s: float = 5.0  # how often replicas' caches and loads correct the policy
 
     def __post_init__(self) -> None:
@@ -165,6 +166,7 @@ class RouterConfig:
             "balance_abs_threshold": self.balance_abs_threshold,
             "balance_rel_threshold": self.balance_rel_threshold,
             "lower_tier_weight": self.lower_tier_weight,
+            "lora_affinity_load": self.lora_affinity_load,
         }
 
 
@@ -328,6 +330,8 @@ class ServerArgs:
             pd_local_prefill_tokens=self.deployment.pd_local_prefill_tokens,
             pd_reserve_wait_s=self.deployment.pd_reserve_wait_s,
             pd_lease_renew_s=self.engine.kv_transfer_timeout_s / 3,
+            lora_enabled=self.engine.lora_enabled,
+            lora_adapters=tuple(self.engine.lora_adapters.items()),
         )
 
     @property
@@ -366,6 +370,14 @@ HELP = {
     "hicache_disk_dir": "directory for a third cache tier on local disk: host-tier KV spills to files "
     "there (checksummed; a bad file is recomputed); each replica uses a subdirectory it removes",
     "hicache_disk_size": "GiB the disk tier may use (needs --hicache-disk-dir and --hicache-host-size)",
+    "enable_lora": "serve LoRA adapters (also without --lora-paths: adapters loaded at run time "
+    "through POST /load_lora_adapter); unified replicas, --tp 1",
+    "lora_paths": "LoRA adapters (PEFT directories) served from the start, as name=path (or a path, "
+    "named after its directory); a request picks one by its model name",
+    "max_loras_per_batch": "most adapters one batch mixes (their requests run together; others wait)",
+    "max_lora_rank": "largest adapter rank served (default: the largest of --lora-paths, at least 16)",
+    "max_loaded_loras": "adapters kept in memory per replica, the least recently used dropped beyond "
+    "it and read again when asked (default: twice --max-loras-per-batch)",
     "radix_eviction_policy": "lru (least recently used leaf first) | lfu (least used, then least "
     "recently used: one-off suffixes go before shared prefixes)",
     "api_key": "require 'Authorization: Bearer <key>' on every endpoint except /health and /ready "
@@ -443,6 +455,8 @@ HELP = {
     "balance_rel_threshold": "... and max load exceeds min load times this",
     "lower_tier_weight": "cache_aware: what a prefix held in a replica's host or disk cache tier "
     "is worth against one on its device (0..1; --hicache-host-size)",
+    "lora_affinity_load": "cache_aware: on a cache miss, a replica holding the request's LoRA adapter "
+    "in memory wins while it carries at most this many requests more than the least loaded",
     "router_sync_interval_s": "seconds between replica cache/load reports to the router",
     "pd": "prefill/decode disaggregation: a prefill pool and a decode pool (instead of --dp), "
     "the KV moving from one to the other",
@@ -490,7 +504,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             names = [flag] + ["--" + a.replace("_", "-") for a, n in ALIASES.items() if n == f.name]
             kind = _value_type(str(f.type))  # annotations are strings (postponed evaluation)
             help_text = HELP.get(f.name, "")
-            if kind is bool:
+            if str(f.type).startswith("tuple["):  # a list of values: --flag a b c
+                group.add_argument(*names, dest=f.name, nargs="+", default=None, help=help_text)
+            elif kind is bool:
                 group.add_argument(
                     *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
                 )

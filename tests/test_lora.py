@@ -226,7 +226,7 @@ def test_more_adapters_than_slots_and_memory_all_answer_right(adapters, prompts,
 
         for name, outs in zip(SPECS, asyncio.run(all_at_once())):
             assert [o["output_ids"] for o in outs] == references[name], name
-        assert eng.stats()["lora_loaded"] <= 2 + 2  # in memory: at most 2 loaded + the 2 in slots
+        assert eng.stats()["lora_adapters_in_memory"] <= 2 + 2  # in memory: at most 2 loaded + the 2 in slots
         assert_kv_invariant(eng)
     finally:
         eng.shutdown()

@@ -205,6 +205,8 @@ def test_router_flags():
             "2",
             "--lower-tier-weight",
             "0.25",
+            "--lora-affinity-load",
+            "3",
             "--router-sync-interval-s",
             "2.5",
         ]
@@ -217,6 +219,7 @@ def test_router_flags():
         "balance_abs_threshold": 8,
         "balance_rel_threshold": 2.0,
         "lower_tier_weight": 0.25,
+        "lora_affinity_load": 3,
     }
     assert a.router.router_sync_interval_s == 2.5
     assert ServerArgs.from_dict({"dp": 2}).policy_kwargs()["policy"] == "cache_aware"

@@ -1,7 +1,10 @@
-"""Tenants on a live cluster: one Ray instance, one Serve app (two engine replicas, cache-aware
-routing, the default model) with a keys file of two tenants and an admin key.
+"""Tenants and LoRA adapters on a live cluster: one Ray instance, one Serve app (two engine
+replicas, cache-aware routing, the default model, a LoRA adapter served from the start) with a
+keys file of two tenants and an admin key.
 
-The tests run in order on the same app: cache and routing isolation, aborts, admin routes.
+The tests run in order on the same app: cache and routing isolation, aborts, admin routes, then
+adapters: as models, against transformers with the adapter merged, in the cache's namespaces,
+loaded and unloaded at run time.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests.lora_utils import hf_greedy, make_adapter, merged_hf
 from tests.serve_utils import running_app
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
@@ -26,10 +30,28 @@ SYSTEM = "You are a careful assistant for a small bakery. " + " ".join(
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def base_dir() -> str:
+    from radixserve.workers.models.loader import resolve_model_dir
+
+    return str(resolve_model_dir(None)[0])
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "baker": make_adapter(base_dir, str(root / "baker"), seed=11, r=8, std=0.1),
+        "late": make_adapter(base_dir, str(root / "late"), seed=12, r=4, targets=["o_proj"], std=0.1),
+    }
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory, adapters):
     keys_file = tmp_path_factory.mktemp("tenants") / "keys.yaml"
     keys_file.write_text("".join(f"{tenant}: {key}\n" for tenant, key in KEYS.items()))
     args = {
+        "lora_paths": [f"baker={adapters['baker']}"],
+        "max_loras_per_batch": 2,
         "dp": DP,
         "replica_num_cpus": 0.5,
         "max_total_tokens": 4096,
@@ -192,3 +214,75 @@ def test_admin_routes_need_the_admin_key(url, acme, globex, admin):
     with client_for(url, None) as anonymous:
         assert anonymous.get("/v1/models").status_code == 401
         assert anonymous.get("/health").status_code == 200
+
+
+def greedy_ids(client: httpx.Client, ids: list[int], lora: str | None, n: int = 8) -> list[int]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    if lora is not None:
+        body["lora_path"] = lora
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_an_adapter_is_a_model_that_answers_as_transformers_merged(acme, admin, base_dir, adapters):
+    models = {m["id"]: m for m in acme.get("/v1/models").json()["data"]}
+    base = next(m for m in models.values() if "parent" not in m)["id"]
+    assert models["baker"]["parent"] == base and models["baker"]["root"] == adapters["baker"]
+    ids = acme.post("/v1/tokenize", json={"prompt": "The best bread is"}).json()["tokens"]
+    want = hf_greedy(merged_hf(base_dir, adapters["baker"]), ids, 8)
+    assert want != hf_greedy(merged_hf(base_dir, None), ids, 8)
+    assert greedy_ids(acme, ids, "baker") == want
+    body = {"model": "baker", "messages": messages(), "max_tokens": 4, "temperature": 0}
+    r = acme.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["model"] == "baker", r.text
+    for path, payload in [
+        ("/v1/chat/completions", {**body, "model": "nope"}),
+        ("/v1/completions", {"model": "nope", "prompt": "a", "max_tokens": 1}),
+        ("/generate", {"text": "a", "lora_path": "nope"}),
+    ]:
+        r = acme.post(path, json=payload)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", (path, r.text)
+    assert acme.get("/v1/models/nope").status_code == 404
+    wait_idle(admin)
+
+
+def test_the_cache_is_kept_apart_by_adapter_and_by_tenant(acme, globex, admin):
+    chat = [{"role": "system", "content": "Pastry rule: " + "flour, water, salt. " * 40}]
+    chat.append({"role": "user", "content": "Which rye?"})  # a prefix no earlier test sent
+
+    def cached(client: httpx.Client, model: str | None) -> int:
+        body = {"messages": chat, "max_tokens": 2, "temperature": 0}
+        r = client.post("/v1/chat/completions", json=body if model is None else {**body, "model": model})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    n = len(acme.post("/v1/tokenize", json={"messages": chat}).json()["tokens"])
+    assert cached(acme, "baker") == 0
+    assert cached(acme, "baker") == n - 1  # routed home, into the adapter's namespace
+    assert cached(globex, "baker") == 0  # another tenant, the same adapter: its own namespace
+    # The base model shares nothing with the adapter: at most the template's role header, which
+    # acme's earlier base-model chats began with too.
+    assert cached(acme, None) < 8
+    wait_idle(admin)
+
+
+def test_adapters_load_and_unload_at_run_time(acme, admin, base_dir, adapters, tmp_path):
+    body = {"lora_name": "late", "lora_path": adapters["late"]}
+    r = acme.post("/load_lora_adapter", json=body)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+    r = admin.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and "not a LoRA adapter directory" in r.json()["error"]["message"], r.text
+    r = admin.post("/load_lora_adapter", json=body)
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert "late" in {m["id"] for m in acme.get("/v1/models").json()["data"]}
+    ids = acme.post("/v1/tokenize", json={"prompt": "Bake me"}).json()["tokens"]
+    assert greedy_ids(acme, ids, "late") == hf_greedy(merged_hf(base_dir, adapters["late"]), ids, 8)
+    info = admin.get("/get_server_info").json()["replicas"]
+    assert all(r["lora_adapters"] == {"baker": adapters["baker"], "late": adapters["late"]} for r in info)
+    assert admin.post("/unload_lora_adapter", json={"lora_name": "late"}).json()["success"] is True
+    r = acme.post("/generate", json={"text": "a", "lora_path": "late"})
+    assert r.status_code == 404, r.text
+    r = admin.post("/unload_lora_adapter", json={"lora_name": "late"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    wait_idle(admin)

@@ -386,7 +386,17 @@ class LoRARef:
     def namespace(self, tenant: str | None) -> str:
         """The cache namespace of this adapter's requests within a tenant's (or the shared one):
         the same prompt under two adapters, or two tenants, never shares KV."""
-        return f"{tenant or ''}\x1flora\x1f{self.name}\x1f{self.path}"
+        return f"{tenant or ''}{LORA_NS}{self.name}\x1f{self.path}"
+
+    @staticmethod
+    def name_in(namespace: str | None) -> str | None:
+        """The adapter name of a cache namespace `namespace` made; None for the base model's."""
+        if namespace is None or LORA_NS not in namespace:
+            return None
+        return namespace.split(LORA_NS, 1)[1].split("\x1f", 1)[0]
+
+
+LORA_NS = "\x1flora\x1f"
 
 
 @dataclass
@@ -730,6 +740,10 @@ class ReplicaStats:
     tier_host_load_seconds: float = 0.0
     tier_disk_load_seconds: float = 0.0
     tier_disk_load_failures: int = 0
+    # LoRA: the adapters this replica serves by name ({name: path}), and those in its memory
+    # (which the router's adapter affinity prefers: no read of the adapter first).
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    lora_loaded: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -191,6 +191,18 @@ class EngineReplica:
             lower = await asyncio.to_thread(self.engine.cache_summary, int(max_tokens), True)
         return CacheSummary(self._stats(), paths, lower).to_dict()
 
+    async def load_lora_adapter(self, name: str, path: str) -> str | None:
+        """Serve the adapter at `path` as `name`; None, or why it cannot be served (the reason
+        goes back to the client: an adapter it named is at fault, not this replica)."""
+        try:
+            await asyncio.to_thread(self.engine.load_lora_adapter, str(name), str(path))
+        except ValueError as exc:  # LoRAError, InvalidRequest: the adapter or the settings
+            return str(exc)
+        return None
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        return self.engine.unload_lora_adapter(str(name))
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (`EngineLoad` fields), which the policies of
         cluster/autoscaling.py scale on. Serve calls it on this event loop every few seconds

@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI routes, SGLang's native routes, and the guards in front of them.
 
 Who may call what (router/frontend/tenants.py holds the keys): /health and /ready need no key; the admin
-routes (ADMIN_ROUTES: /flush_cache) need the admin key, or the single `api_key` when no admin key
+routes (ADMIN_ROUTES: /flush_cache, /load_lora_adapter, /unload_lora_adapter) need the admin key, or the single `api_key` when no admin key
 is set; every other route takes any valid key. /metrics and /get_server_info stay open to every
 tenant: they report totals over all tenants (counters, sizes, loads), never a prompt, a request
 id or a per-tenant figure, and key settings show masked. /abort_request aborts only the caller's
@@ -46,7 +46,9 @@ from radixserve.router.frontend.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateHTTPRequest,
+    LoadLoRARequest,
     TokenizeRequest,
+    UnloadLoRARequest,
 )
 from radixserve.router.frontend.tenants import ADMIN_ROUTES, IDENTITY, ApiKeys, identity_of
 from radixserve.workers.protocol import GenerateRequest, SamplingParams
@@ -208,14 +210,39 @@ def build_api(ing: Ingress) -> FastAPI:
             "max_model_len": ing.card.context_length,
         }
 
+    def adapter_card(name: str, path: str) -> dict[str, Any]:
+        return {**model_card(), "id": name, "root": path, "parent": ing.model_name}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        adapters = [adapter_card(n, p) for n, p in sorted(ing.loras.items())]
+        return {"object": "list", "data": [model_card(), *adapters]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
-        serving.check_model(ing, model)
-        return model_card()
+        lora = await serving.resolve_model(ing, model)
+        return model_card() if lora is None else adapter_card(lora.name, lora.path)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        req = await parse(request, LoadLoRARequest)
+        if not ing.config.lora_enabled:
+            raise errors.bad_request(
+                "this server runs no LoRA adapters (start it with --enable-lora)", "lora_name"
+            )
+        if req.lora_name == ing.model_name:
+            raise errors.bad_request("an adapter cannot take the base model's name", "lora_name")
+        refusal = await ing.load_lora(req.lora_name, req.lora_path)
+        if refusal is not None:
+            raise errors.bad_request(refusal, "lora_path")
+        return JSONResponse({"success": True, "message": f"LoRA adapter {req.lora_name!r} loaded."})
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = await parse(request, UnloadLoRARequest)
+        if not await ing.unload_lora(req.lora_name):
+            raise errors.model_not_found(req.lora_name)
+        return JSONResponse({"success": True, "message": f"LoRA adapter {req.lora_name!r} unloaded."})
 
     @app.get("/health")
     async def health() -> Response:
@@ -300,7 +327,7 @@ def build_api(ing: Ingress) -> FastAPI:
 
 
 async def tokenize(ing: Ingress, req: TokenizeRequest, http: Request) -> Response:
-    serving.check_model(ing, req.model)
+    await serving.resolve_model(ing, req.model)  # an adapter shares the base model's tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise errors.bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
     for name in ("tools", "chat_template_kwargs", "add_generation_prompt"):
@@ -323,7 +350,7 @@ async def tokenize(ing: Ingress, req: TokenizeRequest, http: Request) -> Respons
 
 
 async def detokenize(ing: Ingress, req: DetokenizeRequest, http: Request) -> Response:
-    serving.check_model(ing, req.model)
+    await serving.resolve_model(ing, req.model)
     return JSONResponse(
         {"text": await ing.tokenizer_pool.run(len(req.tokens), ing.tokenizer.decode, req.tokens)}
     )

@@ -95,6 +95,9 @@ class IngressConfig:
     # (a third of the lease, kv_transfer_timeout_s: two renewals may be lost).
     pd_reserve_wait_s: float = 0.0
     pd_lease_renew_s: float = 10.0
+    # LoRA: whether the replicas serve adapters, and those they serve from the start (name, path).
+    lora_enabled: bool = False
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
     def server_info(self) -> dict[str, Any]:
         """The flat server arguments with the key settings masked."""

@@ -44,6 +44,8 @@ from radixserve.workers.protocol import (
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 30.0
+LORA_ASK_INTERVAL_S = 1.0
+READ_LORAS_TIMEOUT_S = 5.0
 # Token budget of one replica's prefix report (sum of its paths' lengths): enough for pools of
 # tens of thousands of tokens whose leaves share long prefixes, small enough to send every few s.
 SUMMARY_MAX_TOKENS = 1 << 18
@@ -87,6 +89,9 @@ class Ingress:
         self.held: set[str] = set()
         if decode is not None:
             self._renew_task = asyncio.get_running_loop().create_task(self._renew_forever())
+        # LoRA adapters by name -> directory: the start-up ones, then what the replicas report.
+        self.loras: dict[str, str] = dict(config.lora_adapters)
+        self._loras_asked = 0.0  # when a request for an unknown name last made us ask the replicas
         self.draining = False  # set by `drain`; api.py's Drain then refuses new HTTP requests
         self.in_flight = 0  # HTTP requests being served here (a stream until its last byte)
 
@@ -103,13 +108,47 @@ class Ingress:
         for handle, routing in self.pools:
             point = routing.sync_point()
             budget = SUMMARY_MAX_TOKENS if routing.uses_prefix_tree else 0
-            for r in await self._broadcast_to(handle, "cache_summary", budget):
+            loras: dict[str, str] = {}
+            reports = await self._broadcast_to(handle, "cache_summary", budget)
+            for r in reports:
                 summary = CacheSummary.from_dict(r)
+                loras.update(summary.stats.lora_adapters)
                 # The engine lists most recent first; the tree wants least recent first.
                 prefixes = summary.paths[::-1] if budget else None
                 lower = summary.lower_paths[::-1] if budget else None
                 applied += routing.apply_report(summary.stats, prefixes, point, lower)
+            if reports and self.config.lora_enabled:
+                self.loras = loras
         return applied
+
+    async def lora(self, name: str) -> str | None:
+        """The directory of the adapter served as `name`, None if no replica serves one. A name
+        this ingress does not know is asked of the replicas (another ingress may have loaded it),
+        at most once a second."""
+        if name in self.loras or not self.config.lora_enabled:
+            return self.loras.get(name)
+        now = asyncio.get_running_loop().time()
+        if now - self._loras_asked >= LORA_ASK_INTERVAL_S:
+            self._loras_asked = now
+            merged: dict[str, str] = {}
+            for s in await self.replica_stats(timeout_s=READ_LORAS_TIMEOUT_S):
+                merged.update(s.lora_adapters)
+            self.loras = merged
+        return self.loras.get(name)
+
+    async def load_lora(self, name: str, path: str) -> str | None:
+        """Every replica loads the adapter (checking it); None, or the first refusal's reason
+        (then no replica keeps it)."""
+        refusals = [r for r in await self._broadcast("load_lora_adapter", name, path) if r]
+        if refusals:
+            await self._broadcast("unload_lora_adapter", name)
+            return refusals[0]
+        self.loras[name] = path
+        return None
+
+    async def unload_lora(self, name: str) -> bool:
+        known = self.loras.pop(name, None) is not None
+        return any(await self._broadcast("unload_lora_adapter", name)) or known
 
     async def _sync_forever(self) -> None:
         while True:

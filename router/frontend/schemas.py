@@ -175,6 +175,7 @@ class GenerateHTTPRequest(_Schema):
     # the text was always there before the switch was honoured.
     return_text_in_logprobs: bool = True
     rid: RequestId | None = None
+    lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field); None: the base
 
 
 class TokenizeRequest(_Schema):
@@ -348,3 +349,12 @@ def native_sampling_params(
     params = SamplingParams.from_dict(d, vocab_size)
     check_context_length(prompt_len, params.max_new_tokens, context_length, "sampling_params.max_new_tokens")
     return params
+
+
+class LoadLoRARequest(_Schema):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRARequest(_Schema):
+    lora_name: str = Field(min_length=1, max_length=256)

@@ -52,6 +52,7 @@ from radixserve.workers.protocol import (
     REASONING_FORMATS,
     GenerateRequest,
     InvalidRequest,
+    LoRARef,
     OutputChunk,
     SamplingParams,
     part_rid,
@@ -63,9 +64,30 @@ if TYPE_CHECKING:
 _DONE = object()
 
 
-def check_model(ing: Ingress, model: str | None) -> None:
-    if model is not None and model != ing.model_name:
+async def resolve_model(ing: Ingress, model: str | None) -> LoRARef | None:
+    """The LoRA adapter a request's `model` names (None: the base model); an unknown name is a
+    404 model_not_found."""
+    if model is None or model == ing.model_name:
+        return None
+    path = await ing.lora(model)
+    if path is None:
         raise errors.model_not_found(model)
+    return LoRARef(model, path)
+
+
+async def resolve_lora_name(ing: Ingress, name: str) -> LoRARef:
+    """/generate's `lora_path`: a loaded adapter's name (404 model_not_found otherwise)."""
+    path = await ing.lora(name)
+    if path is None:
+        raise errors.APIError(
+            404, f"The LoRA adapter `{name}` does not exist.", param="lora_path", code="model_not_found"
+        )
+    return LoRARef(name, path)
+
+
+def served_name(ing: Ingress, lora: LoRARef | None) -> str:
+    """The `model` a response names: the adapter's, or the base model's."""
+    return ing.model_name if lora is None else lora.name
 
 
 async def open_streams(ing: Ingress, reqs: list[GenerateRequest]) -> list[Stream]:
@@ -191,7 +213,12 @@ def reasoning_splits(ing: Ingress) -> Callable[[], ReasoningSplit] | None:
 
 
 def _requests(
-    ids_list: list[list[int]], params: list[SamplingParams], rid: str, stream: bool, who: Identity
+    ids_list: list[list[int]],
+    params: list[SamplingParams],
+    rid: str,
+    stream: bool,
+    who: Identity,
+    lora: LoRARef | None = None,
 ) -> list[GenerateRequest]:
     """One request per prompt, in the caller's cache namespace and request-id space."""
     many = len(ids_list) > 1
@@ -202,6 +229,7 @@ def _requests(
             rid=who.engine_rid(part_rid(rid, k) if many else rid),
             namespace=who.namespace,
             stream=stream,
+            lora=lora,
         )
         for k, (ids, p) in enumerate(zip(ids_list, params))
     ]
@@ -246,7 +274,7 @@ async def chat_prompt(
 
 
 async def chat(ing: Ingress, req: ChatCompletionRequest, http: Request) -> Response:
-    check_model(ing, req.model)
+    lora = await resolve_model(ing, req.model)
     check_sequences(1, req.n)
     plan, ids = await chat_prompt(ing, req)
     params = chat_sampling_params(
@@ -259,7 +287,9 @@ async def chat(ing: Ingress, req: ChatCompletionRequest, http: Request) -> Respo
     )
     rid = req.rid or new_id("chatcmpl")
     try:
-        streams = await open_streams(ing, _requests([ids], [params], rid, req.stream, identity_of(http)))
+        streams = await open_streams(
+            ing, _requests([ids], [params], rid, req.stream, identity_of(http), lora)
+        )
     except InvalidRequest as e:  # the tools' grammar, refused by the replica that compiled it
         if e.param == "structural_tag" and plan is not None:
             raise InvalidRequest(e.message, "tools", e.code) from None
@@ -268,20 +298,22 @@ async def chat(ing: Ingress, req: ChatCompletionRequest, http: Request) -> Respo
     if not req.stream:
         if not await collect(streams, seqs, http):
             return Response(status_code=499)
-        return JSONResponse(chat_response(rid, ing.model_name, seqs, ing.tokenizer, req.logprobs))
+        return JSONResponse(chat_response(rid, served_name(ing, lora), seqs, ing.tokenizer, req.logprobs))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return sse_response(guarded(_chat_events(ing, rid, streams, seqs, req.logprobs, include_usage), http))
+    events = _chat_events(ing, served_name(ing, lora), rid, streams, seqs, req.logprobs, include_usage)
+    return sse_response(guarded(events, http))
 
 
 async def _chat_events(
     ing: Ingress,
+    model: str,
     rid: str,
     streams: list[Stream],
     seqs: Sequences,
     want_logprobs: bool,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    created, model, started = now(), ing.model_name, set()
+    created, started = now(), set()
     async for k, chunk in merged(streams):
         i = seqs.add(k, chunk)
         if i not in started:
@@ -324,14 +356,14 @@ async def _prompts(ing: Ingress, prompt: Any, n: int) -> tuple[list[list[int]], 
 
 
 async def completions(ing: Ingress, req: CompletionRequest, http: Request) -> Response:
-    check_model(ing, req.model)
+    lora = await resolve_model(ing, req.model)
     ids_list, texts = await _prompts(ing, req.prompt, req.n)
     card = ing.card
     params = [
         completion_sampling_params(req, len(ids), card.vocab_size, card.context_length) for ids in ids_list
     ]
     rid = req.rid or new_id("cmpl")
-    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream, identity_of(http)))
+    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream, identity_of(http), lora))
     seqs = Sequences(len(ids_list), req.n)
     want_logprobs = req.logprobs is not None
     if not req.stream:
@@ -339,17 +371,25 @@ async def completions(ing: Ingress, req: CompletionRequest, http: Request) -> Re
             return Response(status_code=499)
         echo = texts if req.echo else None
         return JSONResponse(
-            completion_response(rid, ing.model_name, seqs, ing.tokenizer, want_logprobs, echo, ids_list)
+            completion_response(
+                rid, served_name(ing, lora), seqs, ing.tokenizer, want_logprobs, echo, ids_list
+            )
         )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     prompts = (texts, ids_list) if req.echo else None
     return sse_response(
-        guarded(_completion_events(ing, rid, streams, seqs, want_logprobs, include_usage, prompts), http)
+        guarded(
+            _completion_events(
+                ing, served_name(ing, lora), rid, streams, seqs, want_logprobs, include_usage, prompts
+            ),
+            http,
+        )
     )
 
 
 async def _completion_events(
     ing: Ingress,
+    model: str,
     rid: str,
     streams: list[Stream],
     seqs: Sequences,
@@ -358,7 +398,7 @@ async def _completion_events(
     echo: tuple[list[str], list[list[int]]] | None,
 ) -> AsyncIterator[str]:
     """`echo`: each prompt's text and ids; its text (and logprobs) open each of its choices."""
-    created, model, offsets = now(), ing.model_name, {}
+    created, offsets = now(), {}
     async for k, chunk in merged(streams):
         i = seqs.add(k, chunk)
         if i not in offsets:
@@ -398,7 +438,8 @@ async def generate(ing: Ingress, req: GenerateHTTPRequest, http: Request) -> Res
         raise errors.bad_request("every prompt of a batch must ask for the same 'n'", "sampling_params")
     check_sequences(len(ids_list), n)
     rid = req.rid or new_id("gen")
-    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream, identity_of(http)))
+    lora = None if req.lora_path is None else await resolve_lora_name(ing, req.lora_path)
+    streams = await open_streams(ing, _requests(ids_list, params, rid, req.stream, identity_of(http), lora))
     token_text = ing.tokenizer.token_text if req.return_text_in_logprobs else None
     seqs = Sequences(len(ids_list), n, native_rid=rid, token_text=token_text, prompt_ids=ids_list)
     assert seqs.native is not None

@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-ADMIN_ROUTES = frozenset({"/flush_cache"})
+ADMIN_ROUTES = frozenset({"/flush_cache", "/load_lora_adapter", "/unload_lora_adapter"})
 IDENTITY = "identity"  # the key of the caller's Identity in the ASGI scope's state
 SECRET_SETTINGS = ("api_key", "admin_api_key", "api_keys_file")  # shown masked in server info
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.router.routing.prefix_tree import DEFAULT_MAX_TOKENS, Namespace, PrefixTree
+from radixserve.workers.protocol import LoRARef
 
 POLICY_NAMES = ("cache_aware", "kv_aware", "round_robin", "power_of_two", "random")
 
@@ -52,6 +53,10 @@ class PolicyConfig:
     # A prefix a replica holds in its host or disk cache tier is worth this share of one on its
     # device (it is copied back, not recomputed, but the copy and the device room cost).
     lower_tier_weight: float = 0.5
+    # A replica with the request's LoRA adapter in memory is preferred, on a cache miss, over one
+    # without it while it carries at most this many requests more (the other would read the
+    # adapter first, and take a batch slot from its own adapters).
+    lora_affinity_load: int = 2
     seed: int | None = None  # for power_of_two / random
 
     def __post_init__(self):
@@ -65,6 +70,8 @@ class PolicyConfig:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
         if not 0.0 <= self.lower_tier_weight <= 1.0:
             raise ValueError("lower_tier_weight must be within [0, 1]")
+        if self.lora_affinity_load < 0:
+            raise ValueError("lora_affinity_load must be >= 0")
         if self.max_tree_tokens <= 0:
             raise ValueError("max_tree_tokens must be positive")
 
@@ -85,6 +92,8 @@ class ReplicaLoad:
     # KV slots the replica could give a new request (free + evictable) as of its last report;
     # None without a report.
     kv_room: int | None = None
+    # The LoRA adapters the replica holds in memory, as of its last report.
+    adapters: frozenset[str] = frozenset()
 
     @property
     def load(self) -> int:
@@ -226,6 +235,7 @@ class RoutingPolicy:
             running=getattr(report, "running", 0),
             queued=getattr(report, "queued", 0),
             kv_room=_kv_room(report),
+            adapters=frozenset(getattr(report, "lora_loaded", ())),
         )
 
     def _decide(
@@ -368,7 +378,12 @@ class CacheAwarePolicy(RoutingPolicy):
             h = min(hits, key=lambda r: (cost * r.load - match_of(r), r.load, r.replica_id))
             if match_of(h) >= cost * (h.load - low):
                 return Decision(h.replica_id, match_of(h), "cache_hit")
-        best = min(replicas, key=lambda r: (r.load, self._spread_key(r, claimed(r)), r.replica_id))
+        adapter = LoRARef.name_in(namespace)
+
+        def held(r: ReplicaLoad) -> int:
+            return cfg.lora_affinity_load if adapter is not None and adapter in r.adapters else 0
+
+        best = min(replicas, key=lambda r: (r.load - held(r), self._spread_key(r, claimed(r)), r.replica_id))
         return Decision(best.replica_id, match_of(best), "cache_miss")
 
     def _spread_key(self, r: ReplicaLoad, claimed: int) -> Any:

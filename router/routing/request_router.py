@@ -26,6 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from radixserve.router.routing.policy import PolicyConfig
 from radixserve.router.routing.prefix_tree import Namespace
 from radixserve.router.routing.routing_state import RoutingState, routing_state
+from radixserve.workers.protocol import LoRARef
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,13 @@ def routed_prompt(pending_request: PendingRequest | None) -> Prompt | None:
     if not isinstance(ids, list) or not ids:
         return None
     namespace = request.get("namespace")
-    return Prompt(namespace if isinstance(namespace, str) else None, ids)
+    namespace = namespace if isinstance(namespace, str) else None
+    try:
+        lora = LoRARef.from_dict(request.get("lora"))
+    except ValueError:  # the replica refuses it; its prompt is routed as the base model's
+        lora = None
+    # An adapter's prompts are cached in a namespace of their own (the engine's, LoRARef.namespace).
+    return Prompt(namespace if lora is None else lora.namespace(namespace), ids)
 
 
 class PolicyRequestRouter(RequestRouter):

@@ -253,7 +253,9 @@ class Engine:
 
     def replica_stats(self) -> ReplicaStats:
         return ReplicaStats(
-            **{k: v for k, v in self.core.stats().items() if k in ReplicaStats.__dataclass_fields__}
+            **{k: v for k, v in self.core.stats().items() if k in ReplicaStats.__dataclass_fields__},
+            lora_adapters=self.lora_adapters(),
+            lora_loaded=self.loaded_lora_adapters(),
         )
 
     def check_health(self) -> None:

@@ -201,8 +201,8 @@ class LoRAManager:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "lora_registered": len(self.registered()),
-            "lora_loaded": len(self.loaded()),
+            "lora_adapters_registered": len(self.registered()),
+            "lora_adapters_in_memory": len(self.loaded()),
             "lora_slots_held": self.held_slots(),
         }
 
