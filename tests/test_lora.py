@@ -263,3 +263,46 @@ def test_lora_settings_are_checked():
             eng.load_lora_adapter("a", "/nowhere")
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    "slots, form",
+    [
+        ([2] * 40, "single"),  # one adapter for every token
+        ([0] * 20 + [-1] * 20 + [1] * 24 + [0] * 16, "runs"),  # prefill chunks, the base's between
+        ([0, 1, 2, -1, 1, 1, 3, 0, -1, 2], "gathered"),  # decode: one token per request
+    ],
+)
+def test_the_three_batched_forms_equal_each_row_computed_alone(slots, form):
+    from radixserve.workers.lora.adapter import ModuleLoRA
+    from radixserve.workers.lora.layers import LoRABatch, LoRAContext, LoRAProjection
+    from radixserve.workers.models.linear import FusedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    linear = FusedLinear(24, [(0, 16), (0, 8), (0, 8)], False, torch.float64)
+    ctx = LoRAContext()
+    proj = LoRAProjection(linear, ctx, slots=4, rank=4, dtype=torch.float64, device="cpu")
+    weights = {}
+    for s, r in enumerate([4, 2, 3, 1]):  # ranks below the buffers' maximum are zero-padded
+        parts = {
+            p: (
+                torch.randn(r, 24, generator=gen, dtype=torch.float64),
+                torch.randn(o, r, generator=gen, dtype=torch.float64),
+            )
+            for p, o in [(0, 16), (2, 8)]
+        }
+        weights[s] = parts
+        proj.set_slot(s, ModuleLoRA(parts))
+    x = torch.randn(len(slots), 24, generator=gen, dtype=torch.float64)
+    y = torch.randn(len(slots), 32, generator=gen, dtype=torch.float64)
+    want = y.clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            for p, (lo, hi) in [(0, (0, 16)), (2, (24, 32))]:
+                a, b = weights[s][p]
+                want[t, lo:hi] += (x[t] @ a.T) @ b.T
+    ctx.batch = LoRABatch.of(slots, torch.float64, torch.device("cpu"))
+    got = "single" if ctx.batch.single is not None else "runs" if ctx.batch.runs else "gathered"
+    assert got == form
+    proj.add_(x, y)
+    torch.testing.assert_close(y, want)

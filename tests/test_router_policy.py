@@ -422,3 +422,25 @@ def test_concurrent_routing_keeps_counts_consistent():
     assert set(snap["in_flight"].values()) == {0} and set(snap["in_flight_tokens"].values()) == {0}
     assert snap["tree_tokens"] <= 20_000
     policy._tree.check_integrity()
+
+
+def test_a_replica_holding_the_adapter_wins_a_miss_within_lora_affinity_load():
+    from radixserve.workers.protocol import LoRARef
+
+    policy = CacheAwarePolicy(PolicyConfig(lora_affinity_load=2))
+    ns = LoRARef("coder", "/adapters/coder").namespace(None)
+    prompt = list(range(100))
+
+    def pick(a_load: int, b_load: int, namespace=ns) -> str:
+        a = ReplicaLoad("a", in_flight=a_load, adapters=frozenset({"coder"}))
+        b = ReplicaLoad("b", in_flight=b_load, adapters=frozenset({"writer"}))
+        return policy.choose(prompt, [a, b], namespace).replica_id
+
+    assert pick(1, 0) == "a"  # one request more, and no read of the adapter
+    assert pick(2, 0) == "a"  # a tie: equal claims, then the lower id
+    assert pick(3, 0) == "b"  # past lora_affinity_load the load wins
+    assert pick(1, 0, namespace=None) == "b"  # the base model: load alone
+    assert pick(1, 0, namespace=LoRARef("writer", "/w").namespace("acme")) == "b"
+    # The adapter's reports reach the candidates through ReplicaStats.lora_loaded.
+    loads = policy.loads(["a"], {"a": ReplicaStats(lora_loaded=["coder"])})
+    assert loads[0].adapters == frozenset({"coder"})

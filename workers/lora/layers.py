@@ -3,15 +3,22 @@
 Each adapted projection holds the adapters of the batch slots (`max_loras_per_batch` of them) in
 one stacked buffer, each zero-padded to the maximum rank R:
 
-    A  [S, P, R, in]      (P fused parts: q/k/v, gate/up; one otherwise)
-    B  [out_p, S, R]      per part
+    A  [S, in, P, R]      (P fused parts: q/k/v, gate/up; one otherwise)
+    B  [S, R, out_p]      per part
 
-A batch whose tokens use slots [0, hi) computes `xa = x @ A[:hi]^T` (one shrink GEMM for all its
-adapters and parts), zeroes in each token's row the blocks of the slots it does not use (the
-gathered form of BGMV: a token x slot mask built once per batch), and adds `xa_p @ B_p[:, :hi]^T`
-into each part's output columns (one expand GEMM per part). The cost is that of one adapter of
-rank hi * R, whatever the mix; a batch of one adapter skips the mask and takes its own blocks only.
-Tokens of the base model have no slot: their mask row is zero.
+Three forms, chosen once per batch (LoRABatch.of), the same arithmetic:
+
+- one adapter for every token: its own blocks, `x @ A[s]^T`, then `xa_p @ B_p[s]` per part;
+- segmented (SGMV's shape; prefill): the batch's runs of tokens of one adapter (a request's
+  prompt chunk) each take their adapter's blocks on their own rows, in place; used when the runs
+  are long enough (MIN_RUN_TOKENS on average) to keep the calls few for the rows they cover;
+- gathered (BGMV's shape; decode, one token per request): the batch's rows are gathered once per
+  projection into [hi, G, in] (slot by slot, G = the most rows one slot has, padded with a zero
+  row), one batched GEMM shrinks them by each slot's A, one batched GEMM per part expands them by
+  each slot's B, and one index_add puts every row's delta back: a handful of calls however many
+  adapters the batch mixes, and no row computed with another's adapter.
+
+Tokens of the base model have no slot: no run, no gathered row.
 """
 
 from __future__ import annotations
@@ -23,14 +30,22 @@ import torch
 from radixserve.workers.lora.adapter import ModuleLoRA
 from radixserve.workers.models.linear import FusedLinear, Linear
 
+# Segmented form when the runs of one adapter's tokens average at least this many tokens.
+MIN_RUN_TOKENS = 16
+
 
 @dataclass
 class LoRABatch:
     """The adapter slots of one forward's tokens, built once and read by every projection."""
 
     hi: int  # slots [0, hi) are used
-    single: int | None  # every token uses this slot: no mask
-    mask: torch.Tensor | None  # [T, hi, 1] in the model's dtype: 1 where the token uses the slot
+    single: int | None = None  # every token uses this slot
+    runs: list[tuple[int, int, int]] | None = None  # segmented: (slot, first row, end row)
+    # gathered: rows by slot, [hi * G] indices into x with a zero row appended (index T: padding),
+    # and where each gathered row's delta goes (padding to row 0: its delta is zero).
+    gather: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
+    group: int = 0  # G
 
     @classmethod
     def of(cls, token_slots: list[int], dtype: torch.dtype, device: torch.device) -> LoRABatch | None:
@@ -40,10 +55,31 @@ class LoRABatch:
             return None
         hi = max(used) + 1
         if len(used) == 1 and min(token_slots) >= 0:
-            return cls(hi, token_slots[0], None)
-        idx = torch.tensor(token_slots, dtype=torch.int64, device=device)
-        mask = (idx.unsqueeze(1) == torch.arange(hi, device=device)).to(dtype).unsqueeze(-1)
-        return cls(hi, None, mask)
+            return cls(hi, single=token_slots[0])
+        runs: list[tuple[int, int, int]] = []
+        for t, s in enumerate(token_slots):
+            if s < 0:
+                continue
+            if runs and runs[-1][0] == s and runs[-1][2] == t:
+                runs[-1] = (s, runs[-1][1], t + 1)
+            else:
+                runs.append((s, t, t + 1))
+        if sum(e - b for _, b, e in runs) >= MIN_RUN_TOKENS * len(runs):
+            return cls(hi, runs=runs)
+        rows: list[list[int]] = [[] for _ in range(hi)]
+        for t, s in enumerate(token_slots):
+            if s >= 0:
+                rows[s].append(t)
+        group = max(len(r) for r in rows)
+        pad = len(token_slots)
+        gather = [t for r in rows for t in r + [pad] * (group - len(r))]
+        scatter = [0 if t == pad else t for t in gather]
+        return cls(
+            hi,
+            gather=torch.tensor(gather, dtype=torch.int64, device=device),
+            scatter=torch.tensor(scatter, dtype=torch.int64, device=device),
+            group=group,
+        )
 
 
 class LoRAContext:
@@ -64,8 +100,8 @@ class LoRAProjection:
         self.fused = isinstance(linear, FusedLinear)
         self.ctx, self.slots, self.rank = ctx, slots, rank
         parts = len(self.outs)
-        self.A = torch.zeros(slots, parts, rank, linear.in_features, dtype=dtype, device=device)
-        self.B = [torch.zeros(hi - lo, slots, rank, dtype=dtype, device=device) for lo, hi in self.outs]
+        self.A = torch.zeros(slots, linear.in_features, parts, rank, dtype=dtype, device=device)
+        self.B = [torch.zeros(slots, rank, hi - lo, dtype=dtype, device=device) for lo, hi in self.outs]
 
     @property
     def nbytes(self) -> int:
@@ -75,30 +111,39 @@ class LoRAProjection:
         """Copy an adapter's weights of this projection into `slot` (zeros where it has none)."""
         self.A[slot].zero_()
         for b in self.B:
-            b[:, slot].zero_()
+            b[slot].zero_()
         if weights is None:
             return
         for part, (a, b) in weights.parts.items():
             p = 0 if part is None else part
             r = a.shape[0]
-            self.A[slot, p, :r].copy_(a)
-            self.B[p][:, slot, :r].copy_(b)
+            self.A[slot, :, p, :r].copy_(a.T)
+            self.B[p][slot, :r].copy_(b.T)
 
     def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the LoRA delta of x under the current batch's adapters (in place)."""
         batch = self.ctx.batch
         if batch is None:
             return
-        tokens, parts, r = x.shape[0], len(self.outs), self.rank
+        parts, r = len(self.outs), self.rank
         if batch.single is not None:
-            s = batch.single
-            xa = x @ self.A[s].view(parts * r, -1).T
-            for p, (lo, hi) in enumerate(self.outs):
-                y[:, lo:hi].addmm_(xa[:, p * r : (p + 1) * r], self.B[p][:, s].T)
+            self._add_one(x, y, batch.single)
             return
-        n = batch.hi
-        xa = (x @ self.A[:n].view(n * parts * r, -1).T).view(tokens, n, parts * r)
-        assert batch.mask is not None
-        xa = (xa * batch.mask).view(tokens, n, parts, r)
+        if batch.runs is not None:
+            for s, b, e in batch.runs:
+                self._add_one(x[b:e], y[b:e], s)
+            return
+        n, g = batch.hi, batch.group
+        assert batch.gather is not None and batch.scatter is not None
+        xg = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.gather].view(n, g, -1)
+        xa = torch.bmm(xg, self.A[:n].view(n, -1, parts * r))  # [n, G, P*R]
+        deltas = [torch.bmm(xa[:, :, p * r : (p + 1) * r], self.B[p][:n]) for p in range(parts)]
+        delta = deltas[0] if parts == 1 else torch.cat(deltas, dim=2)  # [n, G, out]
+        y.index_add_(0, batch.scatter, delta.view(n * g, -1))
+
+    def _add_one(self, x: torch.Tensor, y: torch.Tensor, s: int) -> None:
+        """y += the delta of the adapter in slot `s` for every row of x."""
+        r = self.rank
+        xa = x @ self.A[s].view(-1, len(self.outs) * r)
         for p, (lo, hi) in enumerate(self.outs):
-            y[:, lo:hi].addmm_(xa[:, :, p].reshape(tokens, n * r), self.B[p][:, :n].reshape(hi - lo, n * r).T)
+            y[:, lo:hi].addmm_(xa[:, p * r : (p + 1) * r], self.B[p][s])

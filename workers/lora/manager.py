@@ -99,6 +99,11 @@ class LoRAManager:
         with self._lock:
             return dict(self._registered)
 
+    def loaded_bytes(self) -> dict[str, int]:
+        """The memory of each adapter kept in memory (its weights, this rank's shard)."""
+        with self._lock:
+            return {k[0]: a.nbytes for k, a in self._loaded.items()}
+
     def loaded(self) -> list[str]:
         """Names of the adapters in memory (held in a slot or loaded), most recent last."""
         with self._lock:
