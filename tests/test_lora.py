@@ -232,6 +232,38 @@ def test_more_adapters_than_slots_and_memory_all_answer_right(adapters, prompts,
         eng.shutdown()
 
 
+def test_pd_pools_serve_adapters_and_a_decode_replica_reads_one_it_was_not_given(tmp_path):
+    """Both pools run the adapter (a tiny llama: the transfer is not what is tested); the decode
+    replica serves no adapter by name and reads it from the directory the request names."""
+    from radixserve.workers.protocol import GenerateRequest, LoRARef, SamplingParams
+    from tests.test_pd_engine import pd_run
+
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    adapter = make_adapter(path, str(tmp_path / "ad"), seed=6, r=4, alpha=8, targets=ALL_TARGETS, std=0.2)
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 140))]
+    refs = {
+        name: [hf_greedy(merged_hf(path, adapter if name else None), p, 8) for p in prompts]
+        for name in ["ad", None]
+    }
+    assert refs["ad"] != refs[None]
+    args = dict(dtype="float32", max_total_tokens=1024, kv_transfer="gloo", kv_transfer_timeout_s=30.0)
+    prefill = Engine(path, role="prefill", lora_paths=(f"ad={adapter}",), **args)
+    decode = Engine(path, role="decode", enable_lora=True, **args)
+    try:
+        params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": 8})
+        for name in ["ad", None]:
+            lora = LoRARef(name, adapter) if name else None
+            for k, p in enumerate(prompts):
+                req = GenerateRequest(list(p), params, lora=lora)
+                assert asyncio.run(pd_run(prefill, decode, req))[0]["ids"] == refs[name][k], (name, k)
+        assert decode.loaded_lora_adapters() == ["ad"] and decode.lora_adapters() == {}
+        assert_kv_invariant(prefill)
+        assert_kv_invariant(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_a_tiny_qwen3_with_an_adapter_equals_transformers_merged(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "qwen3")
     adapter = make_adapter(path, str(tmp_path / "ad"), seed=5, r=4, alpha=8, targets=ALL_TARGETS, std=0.2)

@@ -105,11 +105,13 @@ class Ingress:
         answered. A replica that fails to answer is skipped (if it died, Serve's replica update
         removes it from the state)."""
         applied = 0
+        loras: dict[str, str] = {}
+        answered = False
         for handle, routing in self.pools:
             point = routing.sync_point()
             budget = SUMMARY_MAX_TOKENS if routing.uses_prefix_tree else 0
-            loras: dict[str, str] = {}
             reports = await self._broadcast_to(handle, "cache_summary", budget)
+            answered = answered or bool(reports)
             for r in reports:
                 summary = CacheSummary.from_dict(r)
                 loras.update(summary.stats.lora_adapters)
@@ -117,8 +119,8 @@ class Ingress:
                 prefixes = summary.paths[::-1] if budget else None
                 lower = summary.lower_paths[::-1] if budget else None
                 applied += routing.apply_report(summary.stats, prefixes, point, lower)
-            if reports and self.config.lora_enabled:
-                self.loras = loras
+        if answered and self.config.lora_enabled:  # the adapters some replica of a pool serves
+            self.loras = loras
         return applied
 
     async def lora(self, name: str) -> str | None:

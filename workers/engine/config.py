@@ -210,8 +210,6 @@ class EngineConfig:
             return
         if self.tp_size > 1:
             raise ValueError("LoRA adapters are served at tp_size 1")
-        if self.role is not Role.UNIFIED:
-            raise ValueError("LoRA adapters are served by unified replicas, not prefill/decode pools")
         if self.deterministic:
             raise ValueError("deterministic mode runs fixed-order GEMMs only: not with LoRA adapters")
 

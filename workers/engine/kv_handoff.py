@@ -465,7 +465,14 @@ class DecodeConnector(_Transfers):
                 if self.inflight.owes(req):
                     self.inflight.emit_final(req, out)
             elif req.params.grammar is None or req.grammar is not None:
+                wait = self.scheduler.adapter_wait(req)
+                if wait == "wait":
+                    continue  # its adapter is being read, or every batch slot holds another
                 del self.landed[key]
+                if wait is not None:
+                    self._free_reserved(req)
+                    self.inflight.fail(req.rid, EngineError(wait), out)
+                    continue
                 self._admit(req, aux, out)
 
     def _admit(self, req: Req, aux: dict[str, Any], out: list) -> None:

@@ -78,17 +78,18 @@ class Scheduler:
     def _adapter_loading(self, req: Req) -> bool:
         return self.lora is not None and self.lora.waiting_for(req) == "loading"
 
-    def _adapter_ready(self, req: Req) -> bool:
-        """Whether the request's adapter (if any) is in memory and has a batch slot for it. One
-        whose adapter failed to load ends with that error."""
+    def adapter_wait(self, req: Req) -> str | None:
+        """None when the request's adapter (if any) is in memory with a batch slot for it;
+        "wait" while it is read or every slot holds another adapter; otherwise the error its
+        load ended with (the request cannot run)."""
         if self.lora is None or req.lora is None:
-            return True
+            return None
         wait = self.lora.waiting_for(req)
+        if wait == "loading":
+            return "wait"
         if wait is not None:
-            if wait != "loading":
-                req.aborted, req.error = True, wait
-            return False
-        return self.lora.can_acquire(req)
+            return wait
+        return None if self.lora.can_acquire(req) else "wait"
 
     def has_work(self) -> bool:
         """Sequences to schedule, or holding slots while their KV moves."""
@@ -170,8 +171,11 @@ class Scheduler:
                 continue
             if self.kv.loading(req) or self.kv.prefetch(req):
                 continue  # its prefix is being read from disk: admitted once it is in host memory
-            if not self._adapter_ready(req):
-                continue  # its adapter is being read, or every batch slot holds another one
+            wait = self.adapter_wait(req)
+            if wait is not None:  # its adapter is being read, or every batch slot holds another
+                if wait != "wait":
+                    req.aborted, req.error = True, wait
+                continue
             n = self._try_admit(req, budget, plan, chunked=chunk is not None)
             if n is None:
                 break  # out of memory or rows: later requests would not fit either
@@ -347,15 +351,20 @@ class Scheduler:
         if isinstance(slots, list):
             req.status = ReqStatus.WAITING_FOR_REMOTE_KV
             self.remote[req.key] = req
+            if self.lora is not None:
+                self.lora.prepare(req)  # read while the prompt's KV is on its way
         return slots
 
     def start_arrived(self, req: Req) -> None:
-        """The prompt's KV arrived (and its grammar is compiled): the tree takes the prompt, and
-        the sequence joins the running batch, ready to decode from the first token."""
+        """The prompt's KV arrived (and its grammar is compiled, and `adapter_wait` says its
+        adapter has a slot): the tree takes the prompt, and the sequence joins the running batch,
+        ready to decode from the first token."""
         del self.remote[req.key]
         self.kv.publish(req, len(req.origin_input_ids))
         req.status = ReqStatus.RUNNING
         self.running.append(req)
+        if self.lora is not None:
+            self.lora.acquire(req)
 
 
 def _cap_input_logprob_rows(req: Req, n: int, plan: ScheduledBatch) -> int:
