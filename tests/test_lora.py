@@ -282,9 +282,53 @@ def test_a_tiny_qwen3_with_an_adapter_equals_transformers_merged(tmp_path):
         eng.shutdown()
 
 
+def test_tp2_shards_each_adapter_with_its_layers_and_fills_every_rank(tmp_path):
+    """A tiny llama at tp_size 2 (one KV head per rank): q/k/v and gate/up adapters split by
+    output rows, o and down by input columns, their partial deltas summed by the layer's own
+    all-reduce; a batch mixing two adapters and the base, and one loaded at run time (filled on
+    the other rank by rank 0's order), equal transformers with each adapter merged."""
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    made = {
+        n: make_adapter(path, str(tmp_path / n), seed=seed, r=4, alpha=8, targets=ALL_TARGETS, std=0.2)
+        for n, seed in [("a", 7), ("b", 8), ("c", 9)]
+    }
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 130)), [42] * 7]
+    refs = {
+        n: [hf_greedy(merged_hf(path, made.get(n)), p, 8) for p in prompts] for n in ["a", "b", "c", None]
+    }
+    assert len({json.dumps(r) for r in refs.values()}) == 4
+    eng = Engine(
+        path,
+        dtype="float32",
+        max_total_tokens=1024,
+        num_threads=1,
+        tp_size=2,
+        lora_paths=(f"a={made['a']}", f"b={made['b']}"),
+        max_loras_per_batch=3,
+    )
+    try:
+        params = {**GREEDY, "max_new_tokens": 8}
+        cases = [(n, k) for n in ["a", "b", None] for k in range(len(prompts))]
+
+        async def all_at_once():
+            return await asyncio.gather(
+                *(
+                    eng.async_generate(input_ids=prompts[k], sampling_params=params, lora_path=n)
+                    for n, k in cases
+                )
+            )
+
+        for (n, k), out in zip(cases, asyncio.run(all_at_once())):
+            assert out["output_ids"] == refs[n][k], (n, k)
+        eng.load_lora_adapter("c", made["c"])
+        outs = eng.generate(input_ids=prompts, sampling_params=params, lora_path="c")
+        assert [o["output_ids"] for o in outs] == refs["c"]
+        assert_kv_invariant(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_lora_settings_are_checked():
-    with pytest.raises(ValueError, match="tp_size 1"):
-        Engine(dtype="float32", enable_lora=True, tp_size=2)
     with pytest.raises(ValueError, match="max_loaded_loras must be >= max_loras_per_batch"):
         Engine(dtype="float32", enable_lora=True, max_loras_per_batch=4, max_loaded_loras=2)
     with pytest.raises(ValueError, match="name=path"):

@@ -208,8 +208,6 @@ class EngineConfig:
             raise ValueError("max_loaded_loras must be >= max_loras_per_batch")
         if not self.lora_enabled:
             return
-        if self.tp_size > 1:
-            raise ValueError("LoRA adapters are served at tp_size 1")
         if self.deterministic:
             raise ValueError("deterministic mode runs fixed-order GEMMs only: not with LoRA adapters")
 

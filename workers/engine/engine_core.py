@@ -58,6 +58,7 @@ from radixserve.workers.executor.model_runner import ModelRunner
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.executor.tp_kv import KVLayout, fingerprint_of
 from radixserve.workers.executor.tp_leader import TPLeader
+from radixserve.workers.executor.tp_orders import LoRASlotOrder
 from radixserve.workers.lora.adapter import LoRAError, config_rank
 from radixserve.workers.lora.manager import LoRAManager
 from radixserve.workers.mem_cache.disk_tier import DiskTier
@@ -107,6 +108,7 @@ class EngineCore:
             rank_launcher,
             kv=rank_kv_spec(config),
             device=self.device.type,
+            lora=_lora_layout(config),
         )
         try:
             loaded = load_model(
@@ -119,7 +121,7 @@ class EngineCore:
                 quantization=config.quantization,
             )
             mc = loaded.config
-            self.lora = _lora_manager(config, loaded.model, mc.dtype, self.device)
+            self.lora = _lora_manager(config, loaded.model, mc.dtype, self.device, self.tp)
             self.pool = KVPool(
                 mc.num_layers,
                 loaded.local_kv_heads,
@@ -583,17 +585,33 @@ class EngineCore:
             self.lora.close()
 
 
-def _lora_manager(
-    config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device
-) -> LoRAManager | None:
-    """The engine's adapters, the start-up ones loaded (a bad one fails the start, naming it)."""
+def _lora_layout(config: EngineConfig) -> tuple[int, int, int] | None:
+    """(adapters per batch, the buffers' rank, adapters kept in memory), None without LoRA."""
     if not config.lora_enabled:
         return None
-    adapters = config.lora_adapters
     rank = config.max_lora_rank
     if rank is None:
-        rank = max([DEFAULT_MAX_LORA_RANK, *(config_rank(p) for p in adapters.values())])
-    manager = LoRAManager(model, config.max_loras_per_batch, rank, config.loaded_loras_cap, dtype, device)
+        rank = max([DEFAULT_MAX_LORA_RANK, *(config_rank(p) for p in config.lora_adapters.values())])
+    return config.max_loras_per_batch, rank, config.loaded_loras_cap
+
+
+def _lora_manager(
+    config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device, tp: TPLeader
+) -> LoRAManager | None:
+    """The engine's adapters, the start-up ones loaded (a bad one fails the start, naming it).
+    At tp_size > 1 every slot rank 0 fills, the other ranks fill with their shards."""
+    layout = _lora_layout(config)
+    if layout is None:
+        return None
+    manager = LoRAManager(model, *layout, dtype, device)
+    if tp.world_size > 1:
+
+        def fill_ranks(slot: int, key: tuple[str, str]) -> str | None:
+            failed, _ = tp.control(LoRASlotOrder(slot, *key))
+            return f"{failed} other rank(s) could not read it (see their log)" if failed else None
+
+        manager.on_fill = fill_ranks
+    adapters = config.lora_adapters
     for name, path in adapters.items():
         try:
             manager.register(name, path)

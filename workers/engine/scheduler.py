@@ -89,7 +89,7 @@ class Scheduler:
             return "wait"
         if wait is not None:
             return wait
-        return None if self.lora.can_acquire(req) else "wait"
+        return self.lora.place(req)
 
     def has_work(self) -> bool:
         """Sequences to schedule, or holding slots while their KV moves."""

@@ -35,7 +35,9 @@ from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
 from radixserve.workers.executor.cpu_runtime import tune_malloc
 from radixserve.workers.executor.tp_kv import FollowerTransfers, RankKVSpec
+from radixserve.workers.executor.tp_orders import LoRASlotOrder, Order
 from radixserve.workers.executor.tp_wire import broadcast_batch
+from radixserve.workers.lora.manager import LoRAManager
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.models.loader import load_model
 
@@ -68,6 +70,9 @@ class FollowerSpec:
     step_timeout_s: float  # the group's collective timeout
     kv: RankKVSpec | None = None  # a prefill or decode replica's: this rank's own KV transfers
     device: str = "cpu"  # rank 0's device kind: "cpu" or "cuda" (rank r takes its own GPU)
+    # LoRA (max adapters per batch, max rank, max kept in memory): this rank holds its shard of
+    # each adapter in its own batch slots, filled as rank 0 orders (LoRASlotOrder).
+    lora: tuple[int, int, int] | None = None
 
 
 def follow(rank: int, spec: FollowerSpec) -> None:
@@ -86,32 +91,49 @@ def follow(rank: int, spec: FollowerSpec) -> None:
     backend = comm_backend(device)
     group = CommGroup.init(store, rank, spec.world_size, backend=backend, timeout_s=spec.step_timeout_s)
     transfers: FollowerTransfers | None = None
+    lora: LoRAManager | None = None
     try:
         try:
             loaded, pool = _load(spec, group, store, device)
             if spec.kv is not None:
                 transfers = FollowerTransfers.start(rank, spec.kv, pool, loaded, store)
+            if spec.lora is not None:
+                lora = LoRAManager(loaded.model, *spec.lora, loaded.config.dtype, device)
         except BaseException as exc:
             store.set(rank_key("failed", rank), f"{type(exc).__name__}: {exc}")
             raise
         store.set(rank_key("ready", rank), "1")
         model = loaded.model
-        on_control = transfers.on_control if transfers is not None else None
+
+        def on_control(order: Order) -> int | None:
+            if isinstance(order, LoRASlotOrder):
+                assert lora is not None, "a LoRA order to a rank without LoRA"
+                lora.fill(order.slot, (order.name, order.path))
+                return None
+            if transfers is None:
+                raise RuntimeError(f"this rank moves no KV, got {order.op!r}")
+            return transfers.on_control(order)
+
         try:
             with torch.inference_mode():
                 while (batch := broadcast_batch(group, on_control=on_control)) is not None:
-                    if transfers is None:
-                        model(batch, pool)
-                        continue
-                    batch.layer_done = transfers.begin_batch()
+                    if lora is not None and batch.lora is not None:
+                        lora.ctx.batch = lora.batch(batch.lora, device)
+                    if transfers is not None:
+                        batch.layer_done = transfers.begin_batch()
                     model(batch, pool)
-                    transfers.end_batch()
+                    if transfers is not None:
+                        transfers.end_batch()
+                    if lora is not None:
+                        lora.ctx.batch = None
         except RuntimeError as exc:  # the group broke: rank 0 is gone or stuck
             logger.error("tensor-parallel rank %d stops: its group failed: %s", rank, exc)
             return
     finally:
         if transfers is not None:
             transfers.close()
+        if lora is not None:
+            lora.close()
         group.destroy()
 
 

@@ -95,6 +95,7 @@ class TPLeader:
         launcher: RankLauncher | None = None,
         kv: RankKVSpec | None = None,
         device: str = "cpu",
+        lora: tuple[int, int, int] | None = None,
     ) -> TPLeader:
         """Check the model's layout over `config`, start ranks 1..N-1 and join them as rank 0.
         Raises ValueError for a layout the model does not have (before anything starts) and
@@ -136,6 +137,7 @@ class TPLeader:
             step_timeout_s=STEP_TIMEOUT_S,
             kv=kv,
             device=device,
+            lora=lora,
         )
         handles = launcher.start(follow, range(1, config.tp_size), spec)
         leader = cls(Parallel.single(), store, handles, threads)

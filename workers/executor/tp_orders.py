@@ -140,10 +140,27 @@ class CountOrder:
         return cls()
 
 
-Order = ExpectOrder | SendOrder | CancelOrder | CountOrder
+@dataclass(frozen=True)
+class LoRASlotOrder:
+    """Put LoRA adapter (name, path) in batch slot `slot` (each rank reads its own shard)."""
+
+    op: ClassVar[str] = "lora_slot"
+    slot: int
+    name: str
+    path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"slot": self.slot, "name": self.name, "path": self.path}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LoRASlotOrder:
+        return cls(int(d["slot"]), str(d["name"]), str(d["path"]))
+
+
+Order = ExpectOrder | SendOrder | CancelOrder | CountOrder | LoRASlotOrder
 
 _DECODERS: dict[str, Callable[[Mapping[str, Any]], Order]] = {
-    cls.op: cls.from_dict for cls in (ExpectOrder, SendOrder, CancelOrder, CountOrder)
+    cls.op: cls.from_dict for cls in (ExpectOrder, SendOrder, CancelOrder, CountOrder, LoRASlotOrder)
 }
 
 

@@ -1,8 +1,9 @@
 """The tensor-parallel wire: how the scheduling rank (0) drives its followers between and during
 batches, over the group's broadcasts.
 
-Every exchange starts with one header, five int64s: [code, batch size, tokens, kv width, logits
-rows] (the rows: one per sequence, and any more for prompt logprobs). The code
+Every exchange starts with one header, six int64s: [code, batch size, tokens, kv width, logits
+rows, lora] (the rows: one per sequence, and any more for prompt logprobs; lora 1: the batch's
+tokens have LoRA adapter slots, sent after its other fields). The code
 is a batch's kind (`_KIND_CODES`), or one of three signals that carry no batch:
 
   stop       rank 0 ends the followers' loop (`broadcast_batch(group, None)`)
@@ -37,7 +38,7 @@ _CONTROL = -3
 
 
 def _header(group: CommGroup, code: int) -> torch.Tensor:
-    return torch.tensor([code, 0, 0, 0, 0], dtype=torch.int64, device=group.device)
+    return torch.tensor([code, 0, 0, 0, 0, 0], dtype=torch.int64, device=group.device)
 
 
 def broadcast_keepalive(group: CommGroup) -> None:
@@ -94,23 +95,26 @@ def broadcast_batch(
     header = _header(group, _STOP)
     if group.rank == src and batch is not None:
         sizes = [batch.batch_size, batch.num_tokens, batch.kv_indices.shape[1], batch.logits_indices.shape[0]]
-        header.copy_(torch.tensor([_KIND_CODES[batch.kind], *sizes]))
-    code, b, t, width, rows = group.broadcast(header, src).tolist()
+        header.copy_(torch.tensor([_KIND_CODES[batch.kind], *sizes, int(batch.lora is not None)]))
+    code, b, t, width, rows, lora = group.broadcast(header, src).tolist()
     while code in (_KEEPALIVE, _CONTROL) and group.rank != src:
         if code == _CONTROL:
             _follow_control(group, src, on_control)
         header.fill_(_STOP)
-        code, b, t, width, rows = group.broadcast(header, src).tolist()
+        code, b, t, width, rows, lora = group.broadcast(header, src).tolist()
     if code == _STOP:
         return None
-    sizes = [t, t, t, b, b, b * width, rows]  # input_ids, positions, out_slots, seq_lens, extend, kv, logits
+    # input_ids, positions, out_slots, seq_lens, extend, kv, logits, the tokens' adapter slots
+    sizes = [t, t, t, b, b, b * width, rows, t if lora else 0]
     if group.rank == src and batch is not None:
         fields = (batch.input_ids, batch.positions, batch.out_slots, batch.seq_lens, batch.extend_lens)
-        flat = torch.cat([f.reshape(-1) for f in (*fields, batch.kv_indices, batch.logits_indices)])
+        device = batch.input_ids.device
+        extra = [torch.tensor(batch.lora.token_slots, dtype=torch.int64, device=device)] if lora else []
+        flat = torch.cat([f.reshape(-1) for f in (*fields, batch.kv_indices, batch.logits_indices)] + extra)
         group.broadcast(flat.to(device=group.device, dtype=torch.int64), src)
         return batch
     flat = group.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=group.device), src)
-    ids, pos, slots, seq_lens, extend, kv, logits = flat.split(sizes)
+    ids, pos, slots, seq_lens, extend, kv, logits, lora_slots = flat.split(sizes)
     return ForwardBatch(
         kind=_CODE_KINDS[code],
         input_ids=ids,
@@ -122,4 +126,6 @@ def broadcast_batch(
         logits_indices=logits,
         seq_lens_list=seq_lens.tolist(),
         extend_lens_list=extend.tolist(),
+        # The tokens' slots as a list: the follower's LoRA manager makes its LoRABatch of them.
+        lora=lora_slots.tolist() if lora else None,
     )

@@ -39,6 +39,7 @@ class LoRABatch:
     """The adapter slots of one forward's tokens, built once and read by every projection."""
 
     hi: int  # slots [0, hi) are used
+    token_slots: list[int]  # each token's slot, -1 for the base model (what the TP wire sends)
     single: int | None = None  # every token uses this slot
     runs: list[tuple[int, int, int]] | None = None  # segmented: (slot, first row, end row)
     # gathered: rows by slot, [hi * G] indices into x with a zero row appended (index T: padding),
@@ -55,7 +56,7 @@ class LoRABatch:
             return None
         hi = max(used) + 1
         if len(used) == 1 and min(token_slots) >= 0:
-            return cls(hi, single=token_slots[0])
+            return cls(hi, token_slots, single=token_slots[0])
         runs: list[tuple[int, int, int]] = []
         for t, s in enumerate(token_slots):
             if s < 0:
@@ -65,7 +66,7 @@ class LoRABatch:
             else:
                 runs.append((s, t, t + 1))
         if sum(e - b for _, b, e in runs) >= MIN_RUN_TOKENS * len(runs):
-            return cls(hi, runs=runs)
+            return cls(hi, token_slots, runs=runs)
         rows: list[list[int]] = [[] for _ in range(hi)]
         for t, s in enumerate(token_slots):
             if s >= 0:
@@ -76,6 +77,7 @@ class LoRABatch:
         scatter = [0 if t == pad else t for t in gather]
         return cls(
             hi,
+            token_slots,
             gather=torch.tensor(gather, dtype=torch.int64, device=device),
             scatter=torch.tensor(scatter, dtype=torch.int64, device=device),
             group=group,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,9 @@ class LoRAManager:
         self._slots: list[Key | None] = [None] * max_per_batch
         self._refs = [0] * max_per_batch
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        # Rank 0 of a tensor-parallel engine: tell the other ranks to fill a slot as this one
+        # did; returns None, or why some rank could not.
+        self.on_fill: Callable[[int, Key], str | None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -159,32 +163,54 @@ class LoRAManager:
         while len(self._loaded) > self.max_loaded:
             self._loaded.popitem(last=False)
 
-    def can_acquire(self, req: Req) -> bool:
+    def place(self, req: Req) -> str | None:
+        """Put the request's adapter (in memory: `waiting_for` said so) in a batch slot unless
+        it holds one: "wait" while every slot is held by running sequences; an error if the
+        other ranks could not take it (`on_fill`); None once it has its slot."""
         key = req.lora
         if key is None or key in self._slots:
-            return True
-        return any(r == 0 for r in self._refs)
+            return None
+        free = [s for s, r in enumerate(self._refs) if r == 0]
+        if not free:
+            return "wait"
+        # Prefer a slot never used, then the lowest (the gathered form computes slots [0, hi)).
+        slot = next((s for s in free if self._slots[s] is None), free[0])
+        with self._lock:
+            adapter = self._loaded.get(key)
+        if adapter is None:
+            raise RuntimeError(f"LoRA adapter {key[0]!r} is not in memory: waiting_for was not asked")
+        self._slots[slot] = None  # what it held is gone, whatever the other ranks answer
+        self._fill(slot, adapter)
+        if self.on_fill is not None:
+            error = self.on_fill(slot, key)
+            if error is not None:
+                self._fill(slot, None)
+                return f"LoRA adapter {key[0]!r}: {error}"
+        self._slots[slot] = key
+        return None
+
+    def fill(self, slot: int, key: Key) -> None:
+        """A following rank: put adapter `key` in `slot` as rank 0 did (read here if need be).
+        Raises LoRAError when this rank cannot read it."""
+        with self._lock:
+            adapter = self._loaded.get(key)
+        if adapter is None:
+            adapter = load_adapter(key[0], key[1], self.model, self.max_rank, self.dtype)
+            with self._lock:
+                self._keep(key, adapter)
+        self._fill(slot, adapter)
+        self._slots[slot] = key
+
+    def _fill(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        for name, proj in self.projections.items():
+            proj.set_slot(slot, None if adapter is None else adapter.modules.get(name))
 
     def acquire(self, req: Req) -> None:
-        """Give the request its adapter's slot (copying the adapter in if it has none)."""
+        """The request runs: it holds its adapter's slot (`place` put it there) until `release`."""
         key = req.lora
         if key is None or req.lora_slot is not None:
             return
-        if key in self._slots:
-            slot = self._slots.index(key)
-        else:
-            free = [s for s, r in enumerate(self._refs) if r == 0]
-            if not free:
-                raise RuntimeError("no free LoRA slot: can_acquire was not asked")
-            # Prefer a slot never used, then the lowest (the forward computes slots [0, hi)).
-            slot = next((s for s in free if self._slots[s] is None), free[0])
-            with self._lock:
-                adapter = self._loaded.get(key)
-            if adapter is None:
-                raise RuntimeError(f"LoRA adapter {key[0]!r} is not in memory: waiting_for was not asked")
-            for name, proj in self.projections.items():
-                proj.set_slot(slot, adapter.modules.get(name))
-            self._slots[slot] = key
+        slot = self._slots.index(key)
         with self._lock:
             if key in self._loaded:
                 self._loaded.move_to_end(key)
