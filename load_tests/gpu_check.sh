@@ -18,7 +18,7 @@
 #
 # Checks, each under its own time limit in seconds (5 more to stop after it; with them, 5 minutes):
 #   triton        65  tests/test_triton_attention.py compiled on the GPU against the torch
-#                     references, long contexts included
+#                     references, long contexts included; tests/test_triton_lora.py (LoRA deltas)
 #   device path   95  tests/test_device_path.py: the engine with --device cuda (greedy equals
 #                     transformers in float32, CUDA graphs equal eager decode, json_schema and abort
 #                     in bf16, the pool sized from the GPU's memory); tests needing more GPUs than
@@ -165,7 +165,7 @@ check() {
 select=()
 [[ -n ${GPU_CHECK_TESTS:-} ]] && select=(-k "$GPU_CHECK_TESTS")
 pytest=("$PY" -m pytest -q -rfEs -p no:cacheprovider "${select[@]}")
-check triton 65 "${pytest[@]}" tests/test_triton_attention.py
+check triton 65 "${pytest[@]}" tests/test_triton_attention.py tests/test_triton_lora.py
 check "device path" 95 "${pytest[@]}" tests/test_device_path.py
 bench_args=(--json "$RESULTS/gpu_bench.json")
 [[ $DRY_RUN == 1 ]] && bench_args+=(--dry-run)

@@ -12,13 +12,15 @@ Three forms, chosen once per batch (LoRABatch.of), the same arithmetic:
 - segmented (SGMV's shape; prefill): the batch's runs of tokens of one adapter (a request's
   prompt chunk) each take their adapter's blocks on their own rows, in place; used when the runs
   are long enough (MIN_RUN_TOKENS on average) to keep the calls few for the rows they cover;
-- gathered (BGMV's shape; decode, one token per request): the batch's rows are gathered once per
+- gathered (decode, one token per request): the batch's rows are gathered once per
   projection into [hi, G, in] (slot by slot, G = the most rows one slot has, padded with a zero
   row), one batched GEMM shrinks them by each slot's A, one batched GEMM per part expands them by
   each slot's B, and one index_add puts every row's delta back: a handful of calls however many
   adapters the batch mixes, and no row computed with another's adapter.
 
-Tokens of the base model have no slot: no run, no gathered row.
+Tokens of the base model have no slot: no run, no gathered row. On CUDA the Triton kernels of
+kernels/triton_ops/lora.py take every form's place: each token reads its own adapter's blocks
+(BGMV's shape), in two launches plus one per part.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class LoRABatch:
     gather: torch.Tensor | None = None
     scatter: torch.Tensor | None = None
     group: int = 0  # G
+    # On CUDA: token_slots as a device tensor, for the Triton kernel (kernels/triton_ops/lora.py),
+    # which reads each token's adapter itself whatever the batch mixes.
+    device_slots: torch.Tensor | None = None
 
     @classmethod
     def of(cls, token_slots: list[int], dtype: torch.dtype, device: torch.device) -> LoRABatch | None:
@@ -55,6 +60,9 @@ class LoRABatch:
         if not used:
             return None
         hi = max(used) + 1
+        if device.type == "cuda":
+            slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
+            return cls(hi, token_slots, device_slots=slots)
         if len(used) == 1 and min(token_slots) >= 0:
             return cls(hi, token_slots, single=token_slots[0])
         runs: list[tuple[int, int, int]] = []
@@ -128,6 +136,11 @@ class LoRAProjection:
         if batch is None:
             return
         parts, r = len(self.outs), self.rank
+        if batch.device_slots is not None:
+            from radixserve.kernels.triton_ops.lora import lora_add
+
+            lora_add(x, y, self.A, self.B, self.outs, batch.device_slots)
+            return
         if batch.single is not None:
             self._add_one(x, y, batch.single)
             return
