@@ -78,6 +78,7 @@ from radixserve.workers.executor.tp_orders import (
     Order,
     SendItem,
     SendOrder,
+    TransferOrder,
 )
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.models.loader import iter_checkpoint_edges
@@ -348,7 +349,7 @@ class FollowerTransfers:
         return cls(layout, engine, store, len(pool.k_buffers), spec.peer_tp_size)
 
     # Orders (the follower's main thread, between batches) ----------------------------------------
-    def on_control(self, order: Order) -> int:
+    def on_control(self, order: TransferOrder) -> int:
         """Act on one order; its answer (summed over the followers): the open transfers, for a
         CountOrder, else 0."""
         match order:

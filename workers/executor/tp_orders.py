@@ -157,7 +157,8 @@ class LoRASlotOrder:
         return cls(int(d["slot"]), str(d["name"]), str(d["path"]))
 
 
-Order = ExpectOrder | SendOrder | CancelOrder | CountOrder | LoRASlotOrder
+TransferOrder = ExpectOrder | SendOrder | CancelOrder | CountOrder  # executor/tp_kv.py's
+Order = TransferOrder | LoRASlotOrder
 
 _DECODERS: dict[str, Callable[[Mapping[str, Any]], Order]] = {
     cls.op: cls.from_dict for cls in (ExpectOrder, SendOrder, CancelOrder, CountOrder, LoRASlotOrder)

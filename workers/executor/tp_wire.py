@@ -109,7 +109,9 @@ def broadcast_batch(
     if group.rank == src and batch is not None:
         fields = (batch.input_ids, batch.positions, batch.out_slots, batch.seq_lens, batch.extend_lens)
         device = batch.input_ids.device
-        extra = [torch.tensor(batch.lora.token_slots, dtype=torch.int64, device=device)] if lora else []
+        extra = []
+        if batch.lora is not None:
+            extra.append(torch.tensor(batch.lora.token_slots, dtype=torch.int64, device=device))
         flat = torch.cat([f.reshape(-1) for f in (*fields, batch.kv_indices, batch.logits_indices)] + extra)
         group.broadcast(flat.to(device=group.device, dtype=torch.int64), src)
         return batch
