@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from tests.hf_reference import default_model_dir, hf_greedy, load_hf
+
+__all__ = ["ALL_TARGETS", "default_model_dir", "hf_greedy", "make_adapter", "merged_hf"]
+
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def load_hf(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
 
 
 def make_adapter(
@@ -48,14 +46,3 @@ def merged_hf(base_dir: str, adapter_dir: str | None):
     if adapter_dir is None:
         return hf
     return PeftModel.from_pretrained(hf, adapter_dir).merge_and_unload().eval()
-
-
-@torch.inference_mode()
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    """transformers' own forward with its KV cache, argmax each step, no EOS stop."""
-    out = hf_model(torch.tensor([prompt]), use_cache=True)
-    tokens = []
-    for _ in range(n):
-        tokens.append(int(out.logits[0, -1].argmax()))
-        out = hf_model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-    return tokens

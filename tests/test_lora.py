@@ -14,10 +14,9 @@ import torch
 
 from radixserve.workers.engine.engine import Engine
 from radixserve.workers.lora.adapter import LoRAError
-from radixserve.workers.models.loader import resolve_model_dir
 from radixserve.workers.protocol import InvalidRequest
 from tests.engine_utils import assert_kv_invariant
-from tests.lora_utils import ALL_TARGETS, hf_greedy, make_adapter, merged_hf
+from tests.lora_utils import ALL_TARGETS, default_model_dir, hf_greedy, make_adapter, merged_hf
 from tests.tiny_models import make_tiny_checkpoint
 
 NEW = 10
@@ -33,7 +32,7 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def base_dir() -> str:
-    return str(resolve_model_dir(None)[0])
+    return default_model_dir()
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +54,14 @@ def prompts(engine) -> list[list[int]]:
     ]
 
 
+def lora_engine(adapters: dict[str, str], **kwargs) -> Engine:
+    paths = tuple(f"{n}={p}" for n, p in adapters.items())
+    return Engine(dtype="float32", max_total_tokens=4096, lora_paths=paths, num_threads=2, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def engine(adapters):
-    eng = Engine(
-        dtype="float32",
-        max_total_tokens=4096,
-        lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()),
-        max_loras_per_batch=4,
-        num_threads=2,
-    )
+    eng = lora_engine(adapters, max_loras_per_batch=4)
     yield eng
     eng.shutdown()
 
@@ -75,6 +73,17 @@ def references(base_dir, adapters, prompts) -> dict[str | None, list[list[int]]]
         hf = merged_hf(base_dir, None if name is None else adapters[name])
         out[name] = [hf_greedy(hf, p, NEW) for p in prompts]
     return out
+
+
+def all_at_once(engine, cases, params=GREEDY) -> list[list[int]]:
+    """Each (prompt, adapter) case's output ids, the cases submitted together (one batch)."""
+
+    async def gather():
+        return await asyncio.gather(
+            *(engine.async_generate(input_ids=p, sampling_params=params, lora_path=lo) for p, lo in cases)
+        )
+
+    return [o["output_ids"] for o in asyncio.run(gather())]
 
 
 def outputs(engine, prompts, lora):
@@ -94,18 +103,10 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(engine, pro
     names = [None, *SPECS]
     cases = [(name, k) for name in names for k in range(len(prompts))]
 
-    async def all_at_once():
-        return await asyncio.gather(
-            *(
-                engine.async_generate(input_ids=prompts[k], sampling_params=GREEDY, lora_path=name)
-                for name, k in cases
-            )
-        )
-
     before = engine.stats()["step_steps"]
-    results = asyncio.run(all_at_once())
+    results = all_at_once(engine, [(prompts[k], name) for name, k in cases])
     for (name, k), out in zip(cases, results):
-        assert out["output_ids"] == references[name][k], (name, k)
+        assert out == references[name][k], (name, k)
     # Batched: far fewer steps than the 15 requests' tokens one request at a time.
     assert engine.stats()["step_steps"] - before < 3 * NEW
     assert_kv_invariant(engine)
@@ -209,23 +210,11 @@ def test_what_cannot_be_served_is_refused_with_its_reason(engine, adapters, tmp_
 def test_more_adapters_than_slots_and_memory_all_answer_right(adapters, prompts, references):
     """Two batch slots, two adapters kept in memory, four adapters asked at once: requests wait
     for a slot, adapters are dropped and read again, and every answer is still its adapter's."""
-    eng = Engine(
-        dtype="float32",
-        max_total_tokens=4096,
-        lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()),
-        max_loras_per_batch=2,
-        max_loaded_loras=2,
-        num_threads=2,
-    )
+    eng = lora_engine(adapters, max_loras_per_batch=2, max_loaded_loras=2)
     try:
-
-        async def all_at_once():
-            return await asyncio.gather(
-                *(eng.async_generate(input_ids=prompts, sampling_params=GREEDY, lora_path=n) for n in SPECS)
-            )
-
-        for name, outs in zip(SPECS, asyncio.run(all_at_once())):
-            assert [o["output_ids"] for o in outs] == references[name], name
+        results = all_at_once(eng, [(p, name) for name in SPECS for p in prompts])
+        for i, name in enumerate(SPECS):
+            assert results[i * len(prompts) : (i + 1) * len(prompts)] == references[name], name
         assert eng.stats()["lora_adapters_in_memory"] <= 2 + 2  # in memory: at most 2 loaded + the 2 in slots
         assert_kv_invariant(eng)
     finally:
@@ -309,17 +298,9 @@ def test_tp2_shards_each_adapter_with_its_layers_and_fills_every_rank(tmp_path):
     try:
         params = {**GREEDY, "max_new_tokens": 8}
         cases = [(n, k) for n in ["a", "b", None] for k in range(len(prompts))]
-
-        async def all_at_once():
-            return await asyncio.gather(
-                *(
-                    eng.async_generate(input_ids=prompts[k], sampling_params=params, lora_path=n)
-                    for n, k in cases
-                )
-            )
-
-        for (n, k), out in zip(cases, asyncio.run(all_at_once())):
-            assert out["output_ids"] == refs[n][k], (n, k)
+        results = all_at_once(eng, [(prompts[k], n) for n, k in cases], params)
+        for (n, k), out in zip(cases, results):
+            assert out == refs[n][k], (n, k)
         eng.load_lora_adapter("c", made["c"])
         outs = eng.generate(input_ids=prompts, sampling_params=params, lora_path="c")
         assert [o["output_ids"] for o in outs] == refs["c"]

@@ -11,6 +11,7 @@ import torch
 from radixserve.workers.models.config import RopeConfig
 from radixserve.workers.models.layers import rope_inv_freq
 from radixserve.workers.models.loader import load_model
+from tests.hf_reference import hf_greedy, load_hf
 from tests.model_driver import ModelDriver
 from tests.tiny_models import LLAMA3_ROPE_SCALING, make_tiny_checkpoint
 
@@ -22,23 +23,6 @@ QUESTIONS = [
     "List three prime numbers.",
 ]
 NEW_TOKENS = 12
-
-
-@torch.inference_mode()
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    """Reference: transformers' own forward with its KV cache, argmax each step, no EOS stop."""
-    out = hf_model(torch.tensor([prompt]), use_cache=True)
-    tokens = []
-    for _ in range(n):
-        tokens.append(int(out.logits[0, -1].argmax()))
-        out = hf_model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-    return tokens
-
-
-def load_hf(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.lora_utils import hf_greedy, make_adapter, merged_hf
+from tests.lora_utils import default_model_dir, hf_greedy, make_adapter, merged_hf
 from tests.serve_utils import running_app
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
@@ -31,9 +31,7 @@ SYSTEM = "You are a careful assistant for a small bakery. " + " ".join(
 
 @pytest.fixture(scope="module")
 def base_dir() -> str:
-    from radixserve.workers.models.loader import resolve_model_dir
-
-    return str(resolve_model_dir(None)[0])
+    return default_model_dir()
 
 
 @pytest.fixture(scope="module")
