@@ -149,6 +149,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_torch(gate_up)
 
 
+def lora_bgmv_(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    bs: list[torch.Tensor],
+    offsets: list[int],
+    slots: torch.Tensor,
+) -> bool:
+    """y[t, off_p:off_p + n_p] += (x[t] @ a[s])[p*R:(p+1)*R] @ bs[p][s] for s = slots[t] >= 0, in
+    place (a [S, K, P*R], bs[p] [S, R, n_p]); False, untouched, where the extension cannot run it
+    (the caller computes it with torch)."""
+    if not (_usable(x, y, a) and x.is_contiguous() and y.is_contiguous()):
+        return False
+    native_ops().lora_bgmv_(x, y, a, bs, offsets, slots)
+    return True
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,

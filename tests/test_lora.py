@@ -363,3 +363,48 @@ def test_the_three_batched_forms_equal_each_row_computed_alone(slots, form):
     assert got == form
     proj.add_(x, y)
     torch.testing.assert_close(y, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_cpu_kernel_equals_the_gathered_torch_form(dtype):
+    """The decode form on CPU runs kernels/csrc/lora.h where the extension is built: the deltas
+    of the torch calls it replaces (rank padding, base rows, a part without weights), as exact
+    or more so."""
+    from radixserve.kernels import cpu_ops
+    from radixserve.workers.lora.adapter import ModuleLoRA
+    from radixserve.workers.lora.layers import LoRABatch, LoRAContext, LoRAProjection
+    from radixserve.workers.models.linear import FusedLinear
+
+    if cpu_ops.native_ops() is None:
+        pytest.skip("C++ extension not built (no compiler)")
+    gen = torch.Generator().manual_seed(1)
+    linear = FusedLinear(64, [(0, 32), (0, 16), (0, 16)], False, dtype)
+    ctx = LoRAContext()
+    proj = LoRAProjection(linear, ctx, slots=4, rank=8, dtype=dtype, device="cpu")
+    for s, r in enumerate([8, 4, 2, 8]):
+        parts = {
+            p: (torch.randn(r, 64, generator=gen), torch.randn(o, r, generator=gen))
+            for p, o in [(0, 32), (1, 16)]
+        }
+        proj.set_slot(s, ModuleLoRA({p: (a.to(dtype), b.to(dtype)) for p, (a, b) in parts.items()}))
+    slots = [0, 1, 2, -1, 1, 1, 3, 0, -1, 2]
+    x = torch.randn(len(slots), 64, generator=gen).to(dtype)
+    y0 = torch.randn(len(slots), 64, generator=gen).to(dtype)
+    ctx.batch = LoRABatch.of(slots, dtype, torch.device("cpu"))
+    assert ctx.batch.slots_cpu is not None
+    fused = y0.clone()
+    proj.add_(x, fused)
+    ctx.batch.slots_cpu = None  # the torch calls of the same form
+    plain = y0.clone()
+    proj.add_(x, plain)
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-5)
+    else:  # bf16: the kernel keeps its sums in float32, the torch calls round each product
+        exact = y0.double().clone()
+        for t, s in enumerate(slots):
+            if s >= 0:
+                xa = x[t].double() @ proj.A[s].double().view(64, 3 * 8)
+                for p, (lo, hi) in enumerate(proj.outs):
+                    exact[t, lo:hi] += xa[p * 8 : (p + 1) * 8] @ proj.B[p][s].double()
+        assert (fused.double() - exact).abs().max() <= (plain.double() - exact).abs().max() + 1e-3
+    assert not torch.equal(fused, y0)

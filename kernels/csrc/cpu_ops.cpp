@@ -7,6 +7,7 @@
 #include "elementwise.h"
 #include "gemm.h"
 #include "int8_gemm.h"
+#include "lora.h"
 
 using namespace radixserve;
 
@@ -49,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "packed_linear_fixed on the AVX512-BF16 chains even where AMX is there", release());
   m.def("int8_linear", &int8_linear, "x @ (int8 W * per-row scale)^T (+ bias), W widened in registers", release());
+  m.def("lora_bgmv_", &lora_bgmv_, "y += each row's LoRA delta from its own adapter slot (decode rows)",
+        release());
   m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over paged K/V", release());
   m.def("decode_attention_fixed", &decode_attention_fixed,
         "decode attention with extend_attention's arithmetic (key blocks from position 0)", release());

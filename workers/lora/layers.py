@@ -16,7 +16,9 @@ Three forms, chosen once per batch (LoRABatch.of), the same arithmetic:
   projection into [hi, G, in] (slot by slot, G = the most rows one slot has, padded with a zero
   row), one batched GEMM shrinks them by each slot's A, one batched GEMM per part expands them by
   each slot's B, and one index_add puts every row's delta back: a handful of calls however many
-  adapters the batch mixes, and no row computed with another's adapter.
+  adapters the batch mixes, and no row computed with another's adapter. On CPU, where the
+  extension is built, one fused call does the same (kernels/csrc/lora.h: each row streams its
+  adapter's A and B, sums in float32), at half the gathered torch calls' time or less.
 
 Tokens of the base model have no slot: no run, no gathered row. On CUDA the Triton kernels of
 kernels/triton_ops/lora.py take every form's place: each token reads its own adapter's blocks
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.kernels import cpu_ops
 from radixserve.workers.lora.adapter import ModuleLoRA
 from radixserve.workers.models.linear import FusedLinear, Linear
 
@@ -52,6 +55,8 @@ class LoRABatch:
     # On CUDA: token_slots as a device tensor, for the Triton kernel (kernels/triton_ops/lora.py),
     # which reads each token's adapter itself whatever the batch mixes.
     device_slots: torch.Tensor | None = None
+    # Gathered on CPU: token_slots as a tensor, for the fused kernel (kernels/csrc/lora.h).
+    slots_cpu: torch.Tensor | None = None
 
     @classmethod
     def of(cls, token_slots: list[int], dtype: torch.dtype, device: torch.device) -> LoRABatch | None:
@@ -86,6 +91,7 @@ class LoRABatch:
         return cls(
             hi,
             token_slots,
+            slots_cpu=torch.tensor(token_slots, dtype=torch.int64) if device.type == "cpu" else None,
             gather=torch.tensor(gather, dtype=torch.int64, device=device),
             scatter=torch.tensor(scatter, dtype=torch.int64, device=device),
             group=group,
@@ -108,6 +114,7 @@ class LoRAProjection:
         else:
             self.outs = [(0, linear.out_features)]
         self.fused = isinstance(linear, FusedLinear)
+        self._offsets = [lo for lo, _ in self.outs]
         self.ctx, self.slots, self.rank = ctx, slots, rank
         parts = len(self.outs)
         self.A = torch.zeros(slots, linear.in_features, parts, rank, dtype=dtype, device=device)
@@ -150,6 +157,10 @@ class LoRAProjection:
             return
         n, g = batch.hi, batch.group
         assert batch.gather is not None and batch.scatter is not None
+        if batch.slots_cpu is not None and cpu_ops.lora_bgmv_(
+            x, y, self.A.view(self.slots, -1, parts * r), self.B, self._offsets, batch.slots_cpu
+        ):
+            return
         xg = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.gather].view(n, g, -1)
         xa = torch.bmm(xg, self.A[:n].view(n, -1, parts * r))  # [n, G, P*R]
         deltas = [torch.bmm(xa[:, :, p * r : (p + 1) * r], self.B[p][:n]) for p in range(parts)]
