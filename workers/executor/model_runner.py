@@ -54,9 +54,11 @@ class ModelRunner:
         t_cols: list[int] = []
         t_vals: list[int] = []
         decode = plan.kind is BatchKind.DECODE
+        # LoRA: each token's adapter slot, only when some sequence of the batch has an adapter.
+        lora = self.lora is not None and any(r.lora_slot is not None for r in plan.reqs)
         token_slots: list[int] = []
         for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
-            if self.lora is not None:
+            if lora:
                 token_slots += [-1 if req.lora_slot is None else req.lora_slot] * n
             end = start + n
             row = req.row
@@ -96,7 +98,7 @@ class ModelRunner:
             logits_indices=logits_indices,
             seq_lens_list=seq_lens,
             extend_lens_list=extend_lens,
-            lora=None if self.lora is None else self.lora.batch(token_slots, self.device),
+            lora=self.lora.batch(token_slots, self.device) if lora else None,
         )
 
     @torch.inference_mode()

@@ -113,7 +113,6 @@ class LoRAProjection:
             self.outs = [(linear.offsets[p], linear.offsets[p + 1]) for p in range(linear.num_parts)]
         else:
             self.outs = [(0, linear.out_features)]
-        self.fused = isinstance(linear, FusedLinear)
         self._offsets = [lo for lo, _ in self.outs]
         self.ctx, self.slots, self.rank = ctx, slots, rank
         parts = len(self.outs)
