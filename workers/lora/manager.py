@@ -3,8 +3,9 @@
 - Registered: the adapters this replica serves by name (`--lora-paths` at start, `register` /
   `unregister` at run time), each checked by loading it once.
 - Loaded: adapter weights in host memory, cut to this rank's shard, at most `max_loaded` of them;
-  beyond that the least recently used one that no waiting request needs is dropped, and read
-  again from its directory when a request asks for it (on the loader thread, never the engine's).
+  beyond that the least recently used one is dropped (a copy in a batch slot stays usable), and
+  read again from its directory when a request asks for it (on the loader thread, never the
+  engine's; a waiting request whose adapter was dropped asks again at its next admission try).
 - Slots: the `max_per_batch` places of the stacked buffers the forward computes with (layers.py).
   A running sequence holds its adapter's slot; a sequence whose adapter has no slot waits until
   one is free (no running sequence uses it), so a batch never mixes more than `max_per_batch`
