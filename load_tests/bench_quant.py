@@ -1,17 +1,21 @@
 """Quantized weights against the unquantized model, side by side in one run on one model
 (default: the embedded SmolLM2-135M-Instruct): weight memory, decode tokens per second at batch 1
 and 16, perplexity over a fixed text (the first --ppl-tokens tokens of the Python distribution's
-pydoc_data/topics.py, the reference manual's topics that ship with it, scored in windows of --window tokens), and greedy agreement (the share of 64 fixed
-prompts whose 32 greedy tokens equal the reference's, and the mean matched-prefix length).
+pydoc_data/topics.py, the reference manual's topics that ship with it, scored in windows of
+--window tokens), and greedy agreement (the share of 64 fixed prompts whose 32 greedy tokens equal
+the reference's, and the mean matched-prefix length). The reference is the model in its dtype;
+for a GGUF model that is the file dequantized, so `gguf` is compared with the same weights.
+Decode rates are medians of --rounds rounds in which the models take turns.
 
-    python -m load_tests.bench_quant [--model PATH] [--dtype auto] [--quantization int8]
-    python -m load_tests.bench_quant --crossover   # fused int8 kernel vs dequantize + GEMM, per rows
+    python -m load_tests.bench_quant [--model PATH] [--dtype auto] [--quantization int8,gguf]
+    python -m load_tests.bench_quant --crossover   # fused kernels vs dequantize + GEMM, per rows
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,11 +23,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radixserve.kernels import cpu_ops, int8_ops
+from radixserve.kernels import cpu_ops, quant_ops
+from radixserve.kernels.quant_ops import QuantTensor
 from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.models.forward_batch import ForwardBatch
 from radixserve.workers.models.loader import LoadedModel, load_model
+from radixserve.workers.models.quant_weight import QuantWeight
 
 
 def batch_of(
@@ -56,10 +62,6 @@ class Runner:
         c = loaded.config
         self.model = loaded.model
         self.pool = KVPool(c.num_layers, loaded.local_kv_heads, c.head_dim, slots, dtype=c.dtype)
-
-    def weight_bytes(self) -> int:
-        seen = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
-        return sum(seen.values())
 
     def greedy(self, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
         """Greedy tokens of every prompt (batched), and decode tokens per second."""
@@ -95,73 +97,121 @@ def fixed_text() -> str:
     return Path(pydoc_data.topics.__file__).read_text()[:200_000]
 
 
-def measure(loaded: LoadedModel, ids: list[int], prompts: list[list[int]], args) -> dict:
-    r = Runner(loaded)
-    r.greedy(prompts[:1], 4)  # warm-up
-    _, b1 = r.greedy(prompts[:1], args.decode_tokens)
-    _, b16 = r.greedy(prompts[:16], args.decode_tokens)
-    tokens, _ = r.greedy(prompts, 32)
-    return {
-        "bytes": r.weight_bytes(),
-        "b1": b1,
-        "b16": b16,
-        "ppl": r.perplexity(ids, args.window),
-        "tokens": tokens,
-    }
+def measure(runners: dict[str, Runner], prompts: list[list[int]], args) -> dict[str, dict]:
+    """Decode tokens per second at batch 1 and 16, the models taking turns round after round (the
+    host's speed drifts: every model sees the same drift), median of --rounds."""
+    for r in runners.values():
+        r.greedy(prompts[:1], 4)  # warm-up
+    rates: dict[str, dict[str, list[float]]] = {name: {"b1": [], "b16": []} for name in runners}
+    for _ in range(args.rounds):
+        for name, r in runners.items():
+            rates[name]["b1"].append(r.greedy(prompts[:1], args.decode_tokens)[1])
+            rates[name]["b16"].append(r.greedy(prompts[:16], args.decode_tokens)[1])
+    return {name: {k: statistics.median(v) for k, v in by.items()} for name, by in rates.items()}
 
 
 def crossover() -> None:
+    """The fused kernel against dequantize + torch's GEMM per row count, on the default model's
+    shapes, for the two layouts the default model uses (Q4_1: 4 bits, group 32, float16 scale and
+    offset; per-channel int8)."""
     if cpu_ops.native_ops() is None:
         raise SystemExit("the crossover needs the CPU extension")
     for n, k in ((960, 576), (3072, 576), (576, 1536)):
-        wq, scale = int8_ops.quantize_int8(torch.randn(n, k))
-        for rows in (1, 4, 8, 16, 32, 64):
-            x = torch.randn(rows, k)
-            times = []
-            for below in (sys.maxsize, 0):  # every row count fused, then none
-                int8_ops.int8_linear(x, wq, scale, None, below)
+        w = torch.randn(n, k)
+        layouts = {
+            "q4 g32": QuantTensor(
+                quant_ops.pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8)),
+                torch.rand(n, k // 32).half(),
+                torch.rand(n, k // 32).half(),
+                32,
+                4,
+            ),
+            "int8": quant_ops.quantize_int8(w),
+        }
+        for label, qt in layouts.items():
+            for rows in (1, 2, 4, 8, 16, 32, 64):
+                x = torch.randn(rows, k)
+                times = []
+                for below in (sys.maxsize, 0):  # every row count fused, then none
+                    qt.linear(x, None, below)
+                    t0 = time.perf_counter()
+                    for _ in range(50):
+                        qt.linear(x, None, below)
+                    times.append((time.perf_counter() - t0) * 2e4)
+                F.linear(x, w)
                 t0 = time.perf_counter()
-                for _ in range(100):
-                    int8_ops.int8_linear(x, wq, scale, None, below)
-                times.append((time.perf_counter() - t0) * 1e4)
-            print(f"N={n} K={k} rows={rows:3d}: fused {times[0]:7.0f} us  dequant+gemm {times[1]:7.0f} us")
+                for _ in range(50):
+                    F.linear(x, w)
+                times.append((time.perf_counter() - t0) * 2e4)
+                print(
+                    f"N={n} K={k} {label:7s} rows={rows:3d}: fused {times[0]:7.0f} us  "
+                    f"dequant+gemm {times[1]:7.0f} us  float32 gemm {times[2]:7.0f} us"
+                )
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights: its parameters and the quantized weights' tensors."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        if isinstance(module, QuantWeight) or getattr(module, "quantized", None) is not None:
+            tensors += [t for name, t in module.named_buffers(recurse=False)]
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    return sum(seen.values())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="int8")
+    p.add_argument("--quantization", default="int8,gguf", help="comma-separated: int8, gguf")
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--crossover", action="store_true")
     args = p.parse_args()
     if args.crossover:
         return crossover()
-    ref = load_model(args.model, args.dtype)
+    modes = ["none", *args.quantization.split(",")]
+    loaded = {m: load_model(args.model, args.dtype, quantization=m) for m in modes}
+    ref = loaded["none"]
     ids = ref.tokenizer(fixed_text())["input_ids"]
     text_ids, rest = ids[: args.ppl_tokens], ids[args.ppl_tokens :]
     prompts = [rest[16 * i : 16 * i + 16] for i in range(64)]
-    base = measure(ref, text_ids, prompts, args)
-    del ref
-    quant = measure(
-        load_model(args.model, args.dtype, quantization=args.quantization), text_ids, prompts, args
-    )
-    same = sum(a == b for a, b in zip(quant["tokens"], base["tokens"]))
-    prefix = [
-        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 32)
-        for a, b in zip(quant["tokens"], base["tokens"])
+    runners = {m: Runner(lm) for m, lm in loaded.items()}
+    rates = measure(runners, prompts, args)
+    result = {}
+    for m, r in runners.items():
+        result[m] = {
+            "bytes": weight_bytes(r.model),
+            **rates[m],
+            "ppl": r.perplexity(text_ids, args.window),
+            "tokens": r.greedy(prompts, 32)[0],
+        }
+    base = result["none"]
+    bf16_bytes = sum(p.numel() for p in ref.model.parameters()) * 2
+    print(f"reference: the model in {ref.config.dtype} (dequantized from the file for a GGUF model)")
+    print(f"{'':16s}" + "".join(f"{m:>12s}{'ratio':>8s}" for m in modes))
+    rows = [
+        ("weights MB", "bytes", 1e-6),
+        ("decode b1 t/s", "b1", 1),
+        ("decode b16 t/s", "b16", 1),
+        ("perplexity", "ppl", 1),
     ]
-    print(f"{'':14s}{'reference':>12s}{args.quantization:>12s}{'ratio':>8s}")
-    print(
-        f"{'weights MB':14s}{base['bytes'] / 1e6:12.1f}{quant['bytes'] / 1e6:12.1f}{quant['bytes'] / base['bytes']:8.3f}"
-    )
-    for key, name in (("b1", "decode b1 t/s"), ("b16", "decode b16 t/s"), ("ppl", "perplexity")):
-        print(f"{name:14s}{base[key]:12.2f}{quant[key]:12.2f}{quant[key] / base[key]:8.3f}")
-    print(
-        f"greedy agreement: {same}/64 prompts identical over 32 tokens, mean matched prefix {sum(prefix) / 64:.1f}"
-    )
+    for label, key, unit in rows:
+        cells = "".join(f"{result[m][key] * unit:12.2f}{result[m][key] / base[key]:8.3f}" for m in modes)
+        print(f"{label:16s}{cells}")
+    print(f"{'weights vs bf16':16s}" + "".join(f"{result[m]['bytes'] / bf16_bytes:20.3f}" for m in modes))
+    for m in modes[1:]:
+        quant = result[m]
+        same = sum(a == b for a, b in zip(quant["tokens"], base["tokens"]))
+        prefix = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 32)
+            for a, b in zip(quant["tokens"], base["tokens"])
+        ]
+        print(
+            f"{m}: greedy agreement {same}/64 prompts identical over 32 tokens, mean matched prefix {sum(prefix) / 64:.1f}"
+        )
 
 
 if __name__ == "__main__":

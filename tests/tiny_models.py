@@ -174,12 +174,37 @@ def _llama_cpp_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def make_tiny_gguf(tmp_path: str | Path, hf_dir: str | Path) -> str:
-    """Write the float32 GGUF of a tiny llama/qwen2/qwen3 checkpoint, laid out as llama.cpp's
-    converter does (q/k rows permuted for llama), with SmolLM2's GGUF tokenizer metadata."""
+def random_blocks(type_name: str, rows: int, k: int, seed: int = 0):
+    """Random raw blocks (numpy uint8 [rows, bytes]) of a GGML type whose float16 fields are small
+    finite scales: what a quantizer the gguf package lacks (the K-quants) would write, values aside."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, k // per_block, nbytes), dtype=np.uint8)
+    halves = rng.uniform(1e-3, 2e-2, size=(rows, k // per_block, 2)).astype(np.float16).view(np.uint8)
+    fields = {"Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(
+        type_name, [0]
+    )
+    for i, at in enumerate(fields):
+        raw[..., at : at + 2] = halves[..., 2 * i : 2 * i + 2]
+    return raw.reshape(rows, -1)
+
+
+def make_tiny_gguf(
+    tmp_path: str | Path, hf_dir: str | Path, quant_types: dict[str, str] | None = None
+) -> str:
+    """Write the GGUF of a tiny llama/qwen2/qwen3 checkpoint, laid out as llama.cpp's converter
+    does (q/k rows permuted for llama), with SmolLM2's GGUF tokenizer metadata. Tensors are float32
+    except those `quant_types` names ({"attn_q": "Q4_K", "token_embd": "Q8_0", ...}): the gguf
+    package quantizes the checkpoint's values where it can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), and the
+    K-quants are random blocks (`random_blocks`)."""
     import json
 
     import gguf
+    from gguf.quants import quantize
     from safetensors.torch import load_file
 
     from radixserve.workers.models.loader import default_gguf_path
@@ -206,7 +231,18 @@ def make_tiny_gguf(tmp_path: str | Path, hf_dir: str | Path) -> str:
     for name, tensor in load_file(str(Path(hf_dir) / "model.safetensors")).items():
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = _llama_cpp_permute(tensor, heads if "q_proj" in name else kv_heads)
-        writer.add_tensor(_gguf_name(name), tensor.float().contiguous().numpy())
+        gguf_name = _gguf_name(name)
+        kind = (quant_types or {}).get(gguf_name.split(".")[-2])
+        values = tensor.float().contiguous().numpy()
+        if kind is None:
+            writer.add_tensor(gguf_name, values)
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind.endswith("_K"):
+            raw = random_blocks(kind, values.shape[0], values.shape[1], seed=len(gguf_name))
+        else:
+            raw = quantize(values, qtype)
+        writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

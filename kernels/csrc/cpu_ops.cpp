@@ -6,8 +6,8 @@
 #include "attention.h"
 #include "elementwise.h"
 #include "gemm.h"
-#include "int8_gemm.h"
 #include "lora.h"
+#include "quant_gemm.h"
 
 using namespace radixserve;
 
@@ -49,7 +49,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return packed_linear(x, wp, n, bias, true, false);
       },
       "packed_linear_fixed on the AVX512-BF16 chains even where AMX is there", release());
-  m.def("int8_linear", &int8_linear, "x @ (int8 W * per-row scale)^T (+ bias), W widened in registers", release());
+  m.def("quant_linear", &quant_linear, "x @ W^T (+ bias), W group-quantized (4 or 8 bits), widened in registers",
+        release());
+  m.def("quant_dequantize", &quant_dequantize, "a group-quantized W (or some of its rows) as a dense tensor",
+        release());
   m.def("lora_bgmv_", &lora_bgmv_, "y += each row's LoRA delta from its own adapter slot (decode rows)",
         release());
   m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over paged K/V", release());

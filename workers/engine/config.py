@@ -11,7 +11,7 @@ from radixserve.workers.distributed.device import DEVICES
 from radixserve.workers.distributed.parallel import ParallelConfig
 from radixserve.workers.mem_cache.radix_cache import EVICTION_POLICIES
 from radixserve.workers.models.attention import ATTENTION_BACKENDS
-from radixserve.workers.models.int8_weight import QUANTIZATIONS
+from radixserve.workers.models.quant_weight import QUANTIZATIONS
 from radixserve.workers.protocol import KV_TRANSFER_CHOICES, ROLES, Role
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
@@ -29,7 +29,8 @@ class EngineConfig:
     model_path: str | None = None  # None = the embedded default model
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = bf16 where the CPU/GPU supports it, else fp32
-    # Weight quantization at load (workers/models/int8_weight.py): none | int8 (per output channel).
+    # Weight quantization at load (workers/models/quant_weight.py): none | int8 (per output channel,
+    # quantized at load) | gguf (a GGUF model computed from its own blocks).
     quantization: str = "none"
     device: str = "auto"  # one of DEVICES: auto = cuda where torch sees a GPU, else cpu
     context_length: int | None = None  # default: the model's

@@ -28,10 +28,11 @@ from radixserve.workers.distributed.parallel import Parallel
 from radixserve.workers.models.attention import get_backend
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.gguf_convert import ensure_converted
-from radixserve.workers.models.int8_weight import check_quantization, quantize_int8_
+from radixserve.workers.models.gguf_weights import apply_gguf_weights_
 from radixserve.workers.models.linear import Linear, pack_batch_invariant
 from radixserve.workers.models.llama import LlamaForCausalLM
 from radixserve.workers.models.mixtral import MixtralForCausalLM
+from radixserve.workers.models.quant_weight import check_quantization, quantize_int8_
 from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,11 @@ def default_gguf_path() -> Path:
 
 def resolve_model_dir(model_path: str | None) -> tuple[Path, str]:
     """(local Hugging Face-style directory, served name) for a model path; converts GGUF."""
-    if model_path is None:
-        return ensure_converted(default_gguf_path(), cache_root()), DEFAULT_MODEL_NAME
+    source = gguf_source(model_path)
+    if source is not None:
+        name = DEFAULT_MODEL_NAME if model_path is None else source.stem
+        return ensure_converted(source, cache_root()), name
+    assert model_path is not None  # None is the embedded GGUF
     path = Path(model_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -133,17 +137,25 @@ def resolve_model_dir(model_path: str | None) -> tuple[Path, str]:
             "pass its directory."
         )
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(
-                f"{model_path!r} is a file but not a .gguf; pass a model directory or a .gguf file"
-            )
-        return ensure_converted(path, cache_root()), path.stem
+        raise ValueError(f"{model_path!r} is a file but not a .gguf; pass a model directory or a .gguf file")
     if (path / "config.json").is_file():
         return path, path.name
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return ensure_converted(ggufs[0], cache_root()), ggufs[0].stem
     raise ValueError(f"{model_path!r} has no config.json (and not exactly one .gguf file)")
+
+
+def gguf_source(model_path: str | None) -> Path | None:
+    """The GGUF file a model path loads from (the embedded default's for None), or None for a
+    Hugging Face directory."""
+    if model_path is None:
+        return default_gguf_path()
+    path = Path(model_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -259,10 +271,14 @@ def load_model(
     `deterministic`: batch-invariant kernels (attention.CpuBackend, linear.pack_batch_invariant);
     raises ValueError where they cannot run.
 
-    `quantization`: "int8" quantizes every projection at load (workers/models/int8_weight.py)
-    from whatever the checkpoint holds; "none" keeps the model dtype.
+    `quantization`: "int8" quantizes every projection at load (workers/models/quant_weight.py)
+    from whatever the checkpoint holds; "gguf" computes from a GGUF file's own blocks
+    (workers/models/gguf_weights.py); "none" keeps the model dtype.
     """
     check_quantization(quantization, deterministic)
+    source = gguf_source(model_path) if quantization == "gguf" else None
+    if quantization == "gguf" and source is None:
+        raise ValueError("quantization gguf computes from a GGUF file's blocks; this model is not a .gguf")
     torch_dtype = resolve_dtype(dtype, device)
     model_dir, name = resolve_model_dir(model_path)
     config = read_config(model_dir, torch_dtype)
@@ -275,6 +291,8 @@ def load_model(
         pack_batch_invariant(model)
     elif quantization == "int8":
         quantize_int8_(model)
+    elif source is not None:
+        apply_gguf_weights_(model, source, config.num_heads, config.num_kv_heads)
     else:
         model.pack_weights(packed_gemm_crossover(model))
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels.quant_ops import QuantTensor
 from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.parallel import padded_range
 from radixserve.workers.models.linear import Linear, Range, narrow
@@ -64,8 +65,23 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.lo, self.hi, block = padded_range(vocab_size, group.world_size, group.rank)
         self.weight = nn.Parameter(torch.empty(block, hidden_size, dtype=dtype), requires_grad=False)
+        self.dtype = dtype
+        self.quantized: QuantTensor | None = None  # the rows, once quantize_ replaced the weight
+
+    def quantize_(self, weight: QuantTensor) -> None:
+        """Look rows up in `weight` (the loaded table, quantized) from now on; the plain table is
+        released."""
+        if self.group.world_size != 1:
+            raise ValueError("a quantized embedding runs at tp_size 1")
+        self.quantized = weight
+        self.weight = None  # type: ignore[assignment]
+        for i, t in enumerate(weight.tensors()):
+            self.register_buffer(f"q{i}", t, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            rows = self.quantized.dequantize(self.dtype, ids.reshape(-1))
+            return rows.view(*ids.shape, rows.shape[-1])
         if self.group.world_size == 1:
             return F.embedding(ids, self.weight)
         inside = (ids >= self.lo) & (ids < self.hi)

@@ -1,0 +1,362 @@
+#pragma once
+
+// Group-quantized weights, computed without a dequantized copy in memory:
+//   W[n, c] = scale[n, g] * q[n, c] + offset[n, g],   g = c / group,
+//   y[M, N] = x[M, K] @ W^T (+ bias[N]),
+// with q either 4-bit (unsigned 0..15, two to a byte) or 8-bit (signed), scale / offset float32
+// or float16 [N, K / group] (offset optional: zero; float16 where the values fit it exactly, as
+// GGUF's own float16 scales do). Every weight format served (per-channel int8, GGUF's
+// Q4_0/Q4_1/Q5_x/Q8_0/Q4_K/Q5_K/Q6_K, AWQ / GPTQ int4) is repacked into one of these two at load.
+//
+// 4-bit rows are blocks of 32 elements in 16 bytes: byte t of a block holds element t in its low
+// nibble and element t + 16 in its high nibble (GGUF's Q4_0 order). A 4-bit group is a multiple of
+// 32 elements; an 8-bit group may be anything (its vector loop is 16 wide, with a scalar tail).
+//
+// Few rows of x (decode): each weight row is read once from memory and widened to float32 in
+// registers. One row: y = sum_g scale_g * (x_g . q_g) + sum_g offset_g * sum(x_g), so the inner loop
+// is one FMA per weight, the scale applied once per group. Several rows: a tile of weight rows is
+// dequantized into L1 once and dotted with every row of x. AVX-512 or AVX2 where the CPU has it, a
+// plain loop the compiler vectorizes as it can elsewhere. Many rows (prefill) dequantize the whole
+// weight (`quant_dequantize`) for torch's GEMM: kernels/quant_ops.py picks by the row count.
+
+#include "common.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace radixserve {
+namespace quant_detail {
+
+struct QuantView {
+  int64_t bits, n, k, group, groups;
+  const uint8_t* q;
+  const void* scale;
+  const void* offset;  // nullptr: zero
+  bool half;           // scale and offset are float16 (else float32)
+
+  int64_t row_bytes() const { return bits == 4 ? k / 2 : k; }
+  const uint8_t* row(int64_t j) const { return q + j * row_bytes(); }
+
+  // Row j's scales (and offsets, if any) as float32 into sc[groups] (of[groups]).
+  void row_scales(int64_t j, float* sc, float* of) const {
+    copy_row(scale, j, sc);
+    if (offset && of) copy_row(offset, j, of);
+  }
+
+ private:
+  void copy_row(const void* src, int64_t j, float* dst) const {
+    if (half) {
+      const at::Half* p = static_cast<const at::Half*>(src) + j * groups;
+      for (int64_t g = 0; g < groups; ++g) dst[g] = static_cast<float>(p[g]);
+    } else {
+      const float* p = static_cast<const float*>(src) + j * groups;
+      std::copy(p, p + groups, dst);
+    }
+  }
+};
+
+inline QuantView view_of(const torch::Tensor& q, const torch::Tensor& scale, const c10::optional<torch::Tensor>& offset,
+                         int64_t group, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "qweight must be contiguous [N, K / (8 / bits)]");
+  TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "qweight must be ",
+              bits == 4 ? "uint8 (two 4-bit values a byte)" : "int8");
+  const int64_t n = q.size(0), k = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(group > 0 && k % group == 0, "group must divide K");
+  TORCH_CHECK(bits == 8 || group % 32 == 0, "a 4-bit group is a multiple of 32");
+  const int64_t groups = k / group;
+  const bool half = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scale.scalar_type() == at::kFloat) && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == n && scale.size(1) == groups,
+              "scale must be float32 or float16 [N, K / group]");
+  const void* off = nullptr;
+  if (offset.has_value()) {
+    TORCH_CHECK(offset->scalar_type() == scale.scalar_type() && offset->is_contiguous() &&
+                    offset->sizes() == scale.sizes(),
+                "offset must be [N, K / group] of scale's dtype");
+    off = offset->data_ptr();
+  }
+  return {bits, n, k, group, groups, static_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr(), off, half};
+}
+
+// Row j of W as float32 into out[0, k).
+inline void dequant_row(const QuantView& w, int64_t j, float* out, float* sc, float* of_buf) {
+  const uint8_t* r = w.row(j);
+  w.row_scales(j, sc, of_buf);
+  const float* of = w.offset ? of_buf : nullptr;
+  if (w.bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(r);
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float s = sc[g], o = of ? of[g] : 0.0f;
+      const int8_t* qg = q + g * w.group;
+      float* dst = out + g * w.group;
+#pragma omp simd
+      for (int64_t c = 0; c < w.group; ++c) dst[c] = s * static_cast<float>(qg[c]) + o;
+    }
+    return;
+  }
+  for (int64_t b = 0; b < w.k / 32; ++b) {
+    const int64_t g = b * 32 / w.group;
+    const float s = sc[g], o = of ? of[g] : 0.0f;
+    const uint8_t* src = r + b * 16;
+    float* dst = out + b * 32;
+#pragma omp simd
+    for (int t = 0; t < 16; ++t) {
+      dst[t] = s * static_cast<float>(src[t] & 15) + o;
+      dst[t + 16] = s * static_cast<float>(src[t] >> 4) + o;
+    }
+  }
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline float hsum256(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
+// sum_g sc[g] * (x_g . q_g) over row j, sc its scales (the offsets' share is added by the caller).
+inline float scaled_dot(const QuantView& w, int64_t j, const float* x, const float* sc) {
+  const uint8_t* r = w.row(j);
+  if (w.bits == 4) {
+    const int64_t blocks = w.group / 32;
+#if defined(__AVX512F__)
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t e = (g * blocks + b) * 32;
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + e / 2));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+        p0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + e), lo, p0);
+        p1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + e + 16), hi, p1);
+      }
+      acc = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), _mm512_set1_ps(sc[g]), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t e = (g * blocks + b) * 32;
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + e / 2));
+        const __m128i lo = _mm_and_si128(v, mask);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + e), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + e + 8),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), p1);
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + e + 16), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + e + 24),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), p1);
+      }
+      const __m256 s = _mm256_set1_ps(sc[g]);
+      if (g & 1) {
+        acc1 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), s, acc1);
+      } else {
+        acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), s, acc0);
+      }
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1));
+#else
+    float total = 0.0f;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      float part = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t e = (g * blocks + b) * 32;
+        const uint8_t* src = r + e / 2;
+#pragma omp simd reduction(+ : part)
+        for (int t = 0; t < 16; ++t)
+          part += x[e + t] * static_cast<float>(src[t] & 15) + x[e + t + 16] * static_cast<float>(src[t] >> 4);
+      }
+      total += sc[g] * part;
+    }
+    return total;
+#endif
+  }
+  const int8_t* q = reinterpret_cast<const int8_t*>(r);
+  const int64_t body = w.group - w.group % 16;
+  float total = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+#endif
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int64_t lo = g * w.group;
+#if defined(__AVX512F__)
+    __m512 p = _mm512_setzero_ps();
+    for (int64_t c = 0; c < body; c += 16) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + lo + c));
+      p = _mm512_fmadd_ps(_mm512_loadu_ps(x + lo + c), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), p);
+    }
+    acc = _mm512_fmadd_ps(p, _mm512_set1_ps(sc[g]), acc);
+#elif defined(__AVX2__)
+    __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
+    for (int64_t c = 0; c < body; c += 16) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + lo + c));
+      p0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + lo + c), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), p0);
+      p1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + lo + c + 8),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), p1);
+    }
+    acc = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), _mm256_set1_ps(sc[g]), acc);
+#else
+    float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+    for (int64_t c = 0; c < body; ++c) part += x[lo + c] * static_cast<float>(q[lo + c]);
+    total += sc[g] * part;
+#endif
+    if (body < w.group) {
+      float tail = 0.0f;
+      for (int64_t c = body; c < w.group; ++c) tail += x[lo + c] * static_cast<float>(q[lo + c]);
+      total += sc[g] * tail;
+    }
+  }
+#if defined(__AVX512F__)
+  total += _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+  total += hsum256(acc);
+#endif
+  return total;
+}
+
+constexpr int64_t kTileRows = 8;
+
+// Dots of up to four rows of x (stride k) with one float32 weight row.
+inline void dot4(const float* x, int64_t rows, int64_t k, const float* w, float* out) {
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+  const float* x0 = x;
+  const float* x1 = rows > 1 ? x + k : x;
+  const float* x2 = rows > 2 ? x + 2 * k : x;
+  const float* x3 = rows > 3 ? x + 3 * k : x;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+  for (int64_t c = 0; c < k; ++c) {
+    a0 += x0[c] * w[c];
+    a1 += x1[c] * w[c];
+    a2 += x2[c] * w[c];
+    a3 += x3[c] * w[c];
+  }
+  const float all[4] = {a0, a1, a2, a3};
+  for (int64_t i = 0; i < rows; ++i) out[i] = all[i];
+}
+
+}  // namespace quant_detail
+
+// y = x @ W^T (+ bias) for a group-quantized W (see the top of this file); float32 math, y in x's
+// dtype (float32 or bfloat16).
+inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                                  const c10::optional<torch::Tensor>& offset, int64_t group, int64_t bits,
+                                  const c10::optional<torch::Tensor>& bias) {
+  using namespace quant_detail;
+  const QuantView w = view_of(q, scale, offset, group, bits);
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(x.size(1) == w.k, "x and weight disagree on K");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.n,
+                "bias must be float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t m = x.size(0), k = w.k, n = w.n;
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  // With offsets, sum(x_g) per row of x and group: the offsets' share of every output.
+  std::vector<float> xsum;
+  if (w.offset) {
+    xsum.resize(static_cast<size_t>(m * w.groups));
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t g = 0; g < w.groups; ++g) {
+        float s = 0.0f;
+        const float* xg = xp + i * k + g * w.group;
+#pragma omp simd reduction(+ : s)
+        for (int64_t c = 0; c < w.group; ++c) s += xg[c];
+        xsum[i * w.groups + g] = s;
+      }
+  }
+  torch::Tensor y = torch::empty({m, n}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(w.row_bytes(), 1));
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> sc(static_cast<size_t>(w.groups)), of(static_cast<size_t>(w.groups));
+    if (m == 1) {
+      for (int64_t j = lo; j < hi; ++j) {
+        w.row_scales(j, sc.data(), of.data());
+        float v = scaled_dot(w, j, xp, sc.data());
+        if (w.offset) {
+          float o = 0.0f;
+#pragma omp simd reduction(+ : o)
+          for (int64_t g = 0; g < w.groups; ++g) o += of[g] * xsum[g];
+          v += o;
+        }
+        yp[j] = v + (b ? b[j] : 0.0f);
+      }
+      return;
+    }
+    std::vector<float> tile(static_cast<size_t>(kTileRows * k));
+    float out[4];
+    for (int64_t j0 = lo; j0 < hi; j0 += kTileRows) {
+      const int64_t rows = std::min<int64_t>(kTileRows, hi - j0);
+      for (int64_t r = 0; r < rows; ++r) dequant_row(w, j0 + r, tile.data() + r * k, sc.data(), of.data());
+      for (int64_t i = 0; i < m; i += 4) {
+        const int64_t xr = std::min<int64_t>(4, m - i);
+        for (int64_t r = 0; r < rows; ++r) {
+          dot4(xp + i * k, xr, k, tile.data() + r * k, out);
+          const float bj = b ? b[j0 + r] : 0.0f;
+          for (int64_t t = 0; t < xr; ++t) yp[(i + t) * n + j0 + r] = out[t] + bj;
+        }
+      }
+    }
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// W (or its rows `rows`, an int64 index) as a dense [N or len(rows), K] tensor of `dtype`
+// (float32 or bfloat16): the prefill path's GEMM operand, and a quantized embedding's lookup.
+inline torch::Tensor quant_dequantize(const torch::Tensor& q, const torch::Tensor& scale,
+                                      const c10::optional<torch::Tensor>& offset, int64_t group, int64_t bits,
+                                      const c10::optional<torch::Tensor>& rows, at::ScalarType dtype) {
+  using namespace quant_detail;
+  const QuantView w = view_of(q, scale, offset, group, bits);
+  const int64_t* idx = nullptr;
+  int64_t count = w.n;
+  torch::Tensor rows_c;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1, "rows must be int64 [R]");
+    rows_c = rows->contiguous();
+    idx = rows_c.data_ptr<int64_t>();
+    count = rows_c.numel();
+    for (int64_t i = 0; i < count; ++i) TORCH_CHECK(idx[i] >= 0 && idx[i] < w.n, "row index out of range");
+  }
+  torch::Tensor out = torch::empty({count, w.k}, q.options().dtype(dtype));
+  const int64_t k = w.k;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(k, 1));
+  dispatch(dtype, [&](auto e) {
+    using E = decltype(e);
+    auto* op = ptr<E>(out);
+    at::parallel_for(0, count, grain, [&](int64_t lo, int64_t hi) {
+      std::vector<float> buf(std::is_same_v<E, F32> ? 0 : static_cast<size_t>(k));
+      std::vector<float> sc(static_cast<size_t>(w.groups)), of(static_cast<size_t>(w.groups));
+      for (int64_t i = lo; i < hi; ++i) {
+        const int64_t j = idx ? idx[i] : i;
+        if constexpr (std::is_same_v<E, F32>) {
+          dequant_row(w, j, op + i * k, sc.data(), of.data());
+        } else {
+          dequant_row(w, j, buf.data(), sc.data(), of.data());
+          auto* dst = op + i * k;
+#pragma omp simd
+          for (int64_t c = 0; c < k; ++c) dst[c] = E::store(buf[c]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace radixserve

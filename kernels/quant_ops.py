@@ -1,0 +1,199 @@
+"""Group-quantized weights and the matmul over them.
+
+A `QuantTensor` holds W [N, K] as integers q with a scale and an optional offset (float32, or
+float16 where they fit it exactly) per group of `group` consecutive input features of a row:
+
+    W[n, c] = scale[n, c // group] * q[n, c] + offset[n, c // group]
+
+q is 4-bit (unsigned 0..15; the offset carries any zero point) or 8-bit (signed). Every weight
+format served is repacked into this form at load, without changing a single value:
+
+    per-channel int8 (`quantize_int8`)      8 bits, group K, no offset
+    GGUF Q8_0 / Q5_0 / Q6_K                8 bits, group 32 / 32 / 16, no offset
+    GGUF Q5_1 / Q5_K                       8 bits, group 32, offset
+    GGUF Q4_0 / Q4_1 / Q4_K                4 bits, group 32, offset
+    AWQ / GPTQ / compressed-tensors int4   4 bits, their group (128), offset = -scale * zero
+
+4-bit rows are blocks of 32 elements in 16 bytes, byte t holding element t in its low nibble and
+element t + 16 in its high one (`pack_int4`). csrc/quant_gemm.h computes few rows of x from the
+integers, widened in registers; from `dequant_rows(bits)` rows up the weight is dequantized for
+torch's GEMM, which reuses each weight tile across many rows (the dequantization, N*K, is then
+small beside the M*N*K of the product). Without the extension (or off the CPU) the weight is
+dequantized in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels import cpu_ops
+
+# Rows from which dequantize + torch GEMM beats the fused kernel (load_tests/bench_quant.py
+# --crossover measures it; 2-core AVX2 host, SmolLM2-135M shapes, float32 activations).
+DEQUANT_ROWS = {4: 16, 8: 16}
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+_SCALE_DTYPES = (torch.float32, torch.float16)
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    qweight: torch.Tensor  # 4 bits: uint8 [N, K / 2] (pack_int4's order); 8 bits: int8 [N, K]
+    scale: torch.Tensor  # float32 or float16 [N, K / group]
+    offset: torch.Tensor | None  # [N, K / group] of scale's dtype, or None for zero
+    group: int
+    bits: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        dtype = torch.uint8 if self.bits == 4 else torch.int8
+        if self.qweight.dim() != 2 or self.qweight.dtype != dtype:
+            raise ValueError(f"{self.bits}-bit qweight must be a 2-D {dtype} tensor")
+        if self.group <= 0 or self.k % self.group or (self.bits == 4 and self.group % 32):
+            raise ValueError(
+                f"group {self.group} must divide K {self.k}"
+                + (" and be a multiple of 32" if self.bits == 4 else "")
+            )
+        shape = (self.n, self.k // self.group)
+        if self.scale.dtype not in _SCALE_DTYPES:
+            raise ValueError(f"scale must be float32 or float16, got {self.scale.dtype}")
+        for name, t in (("scale", self.scale), ("offset", self.offset)):
+            if t is not None and (tuple(t.shape) != shape or t.dtype != self.scale.dtype):
+                raise ValueError(
+                    f"{name} must be {list(shape)} of scale's dtype, got {t.dtype} {list(t.shape)}"
+                )
+
+    @property
+    def n(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.qweight.shape[1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qweight, self.scale, self.offset) if t is not None]
+
+    def same_layout(self, other: QuantTensor) -> bool:
+        """Whether rows of `other` can sit under rows of this one (`cat_rows`)."""
+        return (self.bits, self.group, self.k, self.offset is None, self.scale.dtype) == (
+            other.bits,
+            other.group,
+            other.k,
+            other.offset is None,
+            other.scale.dtype,
+        )
+
+    def select_rows(self, rows: torch.Tensor) -> QuantTensor:
+        """The rows `rows` (int64 index) of W, in that order."""
+        off = None if self.offset is None else self.offset[rows].contiguous()
+        return QuantTensor(
+            self.qweight[rows].contiguous(), self.scale[rows].contiguous(), off, self.group, self.bits
+        )
+
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """W (or its rows `rows`) as a dense [N or len(rows), K] tensor of `dtype`."""
+        ops = cpu_ops.native_ops()
+        if ops is not None and self.qweight.device.type == "cpu" and dtype in _FUSED_DTYPES:
+            return ops.quant_dequantize(
+                self.qweight, self.scale, self.offset, self.group, self.bits, rows, dtype
+            )
+        return dequantize_torch(self, rows).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, dequant_rows: int | None = None):
+        """x [..., K] @ W^T (+ bias float32 [N]) -> [..., N] in x's dtype."""
+        x2 = x.reshape(-1, x.shape[-1])
+        below = DEQUANT_ROWS[self.bits] if dequant_rows is None else dequant_rows
+        ops = cpu_ops.native_ops()
+        if ops is not None and x2.device.type == "cpu" and x.dtype in _FUSED_DTYPES and x2.shape[0] < below:
+            y = ops.quant_linear(x2, self.qweight, self.scale, self.offset, self.group, self.bits, bias)
+        else:
+            b = None if bias is None else bias.to(x.dtype)
+            y = F.linear(x2, self.dequantize(x.dtype), b)
+        return y.view(*x.shape[:-1], self.n)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] of 0..15 (K a multiple of 32) -> uint8 [N, K / 2] in the kernels' order."""
+    n, k = values.shape
+    if k % 32:
+        raise ValueError(f"4-bit rows are blocks of 32 elements, got K {k}")
+    if values.dtype != torch.uint8 or bool((values > 15).any()):
+        raise ValueError("4-bit values are uint8 in 0..15")
+    blocks = values.reshape(n, k // 32, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: uint8 [N, K / 2] -> uint8 [N, K] of 0..15."""
+    n, half = packed.shape
+    b = packed.reshape(n, half // 16, 16)
+    return torch.cat([b & 15, b >> 4], dim=-1).reshape(n, half * 2)
+
+
+def dequantize_torch(qt: QuantTensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The dequantization in torch (float32): the reference, and the path off the CPU."""
+    q, scale, offset = qt.qweight, qt.scale, qt.offset
+    if rows is not None:
+        q, scale = q[rows], scale[rows]
+        offset = None if offset is None else offset[rows]
+    values = unpack_int4(q) if qt.bits == 4 else q
+    n, groups = scale.shape
+    w = values.float().view(n, groups, qt.group) * scale.float()[..., None]
+    if offset is not None:
+        w = w + offset.float()[..., None]
+    return w.view(n, qt.k)
+
+
+def linear_torch(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) in float32 from the torch dequantization, rounded once to x's dtype."""
+    y = x.float() @ dequantize_torch(qt).T
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype)
+
+
+def compact_scales(
+    scale: torch.Tensor, offset: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale, offset) in float16 where every value of both is a float16 exactly (GGUF's own
+    scales are), else float32 as given: half the bytes for the same weights."""
+    both = [scale] if offset is None else [scale, offset]
+    if all(bool(torch.equal(t.half().float(), t)) for t in both):
+        return scale.half(), None if offset is None else offset.half()
+    return scale, offset
+
+
+def cat_rows(parts: Sequence[QuantTensor]) -> QuantTensor:
+    """One QuantTensor whose rows are the parts' rows in order (parts of one layout)."""
+    first = parts[0]
+    if not all(first.same_layout(p) for p in parts):
+        raise ValueError("only parts of one layout (bits, group, K, offset) are joined")
+    offset = None if first.offset is None else torch.cat([p.offset for p in parts])  # type: ignore[misc]
+    return QuantTensor(
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        offset,
+        first.group,
+        first.bits,
+    )
+
+
+def quantize_int8(w: torch.Tensor) -> QuantTensor:
+    """Symmetric per-output-channel int8 of W [N, K] (any float dtype): scale[n] = max|W[n, :]| /
+    127 (1 for an all-zero row), q = round(W / scale) clamped to [-127, 127]."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantTensor(q.contiguous(), scale[:, None].contiguous(), None, w.shape[1], 8)

@@ -1,0 +1,342 @@
+"""Quantized weights: the group-quantized kernels (4 and 8 bits, scales and offsets per group;
+AVX-512, AVX2 or the plain loop, whichever this CPU built) against dequantize-then-matmul in
+float32; per-channel int8 quantized at load; GGUF's block formats repacked value for value
+(against the gguf package's own dequantization) and models computed from a GGUF file's blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.kernels import cpu_ops, quant_ops
+from radixserve.kernels.quant_ops import QuantTensor, pack_int4, unpack_int4
+from radixserve.workers.engine.config import EngineConfig
+from radixserve.workers.models import gguf_weights
+from radixserve.workers.models.linear import FusedLinear, Linear
+from radixserve.workers.models.loader import load_model
+from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
+from radixserve.workers.models.quant_weight import QuantWeight
+from tests.model_driver import ModelDriver
+from tests.tiny_models import make_tiny_checkpoint, make_tiny_gguf, random_blocks
+
+native = pytest.mark.skipif(cpu_ops.native_ops() is None, reason="CPU extension not built")
+
+
+def random_quant(
+    n: int, k: int, bits: int, group: int, offset: bool, seed: int = 0, half: bool = False
+) -> QuantTensor:
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    # Values a float16 holds, as every format's scales are (float16 fields, or their products with
+    # small integers): scale * q is then exact, and any order of the dequantization's two roundings
+    # (fused multiply-add or not) gives the same weight.
+    scale = (torch.rand(n, groups, generator=g) * 0.1 + 0.01).half().float()
+    off = ((torch.rand(n, groups, generator=g) - 0.5) * 0.4).half().float() if offset else None
+    if half:
+        scale, off = scale.half(), None if off is None else off.half()
+    if bits == 4:
+        q = pack_int4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8))
+    else:
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    return QuantTensor(q, scale, off, group, bits)
+
+
+def _reference(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ quant_ops.dequantize_torch(qt).T  # dequantize, then matmul in float32
+    return y if bias is None else y + bias
+
+
+# ------------------------------------------------------------------ the format and the kernels
+
+
+def test_int4_packing_is_blocks_of_32_low_then_high_nibbles():
+    values = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
+    packed = pack_int4(values)
+    assert packed.shape == (1, 32)
+    # byte t of block b: element 32b + t (low nibble), element 32b + t + 16 (high nibble)
+    assert int(packed[0, 0]) == int(values[0, 0]) | int(values[0, 16]) << 4
+    assert int(packed[0, 17]) == int(values[0, 33]) | int(values[0, 49]) << 4
+    assert torch.equal(unpack_int4(packed), values)
+    with pytest.raises(ValueError, match="0..15"):
+        pack_int4(torch.full((1, 32), 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="blocks of 32"):
+        pack_int4(torch.zeros(1, 16, dtype=torch.uint8))
+
+
+def test_quant_tensor_validates_its_layout():
+    q = torch.zeros(4, 32, dtype=torch.uint8)
+    QuantTensor(q, torch.ones(4, 2), None, 32, 4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantTensor(q, torch.ones(4, 4), None, 16, 4)
+    with pytest.raises(ValueError, match=r"scale must be \[4, 2\]"):
+        QuantTensor(q, torch.ones(4, 3), None, 32, 4)
+    with pytest.raises(ValueError, match="float32 or float16"):
+        QuantTensor(q, torch.ones(4, 2, dtype=torch.bfloat16), None, 32, 4)
+    with pytest.raises(ValueError, match="offset must be"):
+        QuantTensor(q, torch.ones(4, 2), torch.ones(4, 2, dtype=torch.float16), 32, 4)
+    with pytest.raises(ValueError, match="int8"):
+        QuantTensor(q, torch.ones(4, 2), None, 32, 8)
+
+
+def test_int8_quantizer_values_are_round_to_nearest_of_the_row_scale():
+    w = torch.tensor([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [-3.0, 1.5, 0.7, 2.999]])
+    qt = quant_ops.quantize_int8(w)
+    assert qt.scale[:, 0].tolist() == pytest.approx([1.0 / 127, 1.0, 3.0 / 127], rel=1e-7)
+    assert (qt.bits, qt.group, qt.offset) == (8, 4, None)
+    assert qt.qweight.tolist() == [[127, -64, 32, 0], [0, 0, 0, 0], [-127, 64, 30, 127]]
+    err = (quant_ops.dequantize_torch(qt) - w).abs()
+    assert bool((err <= qt.scale / 2 + 1e-7).all())
+    bf = torch.randn(5, 7).to(torch.bfloat16)  # bf16 weights quantize from their float values
+    a, b = quant_ops.quantize_int8(bf), quant_ops.quantize_int8(bf.float())
+    assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scale, b.scale)
+
+
+LAYOUTS = [  # bits, K, group, offset, float16 scales: GGUF's 32 and 16, AWQ's 128, per-channel
+    (4, 256, 32, True, False),
+    (4, 256, 32, True, True),
+    (4, 256, 128, True, True),
+    (4, 64, 32, False, False),
+    (8, 256, 32, False, True),
+    (8, 96, 16, True, False),
+    (8, 576, 576, False, False),
+    (8, 37, 37, False, False),  # tails of the 16-wide loops
+    (8, 8, 8, True, True),
+]
+
+
+@native
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: "-".join(map(str, v)))
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 17])
+def test_fused_kernel_equals_dequantize_then_matmul(layout, rows):
+    bits, k, group, offset, half = layout
+    qt = random_quant(45, k, bits, group, offset, seed=rows, half=half)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(45) if rows % 2 else None
+    y = cpu_ops.native_ops().quant_linear(x, qt.qweight, qt.scale, qt.offset, group, bits, bias)
+    assert y.dtype == torch.float32 and y.shape == (rows, 45)
+    ref = _reference(x, qt, bias)
+    # float32 summation orders differ: a few ulps of the sum of k products
+    atol = 4e-6 * k**0.5 * float(ref.abs().max().clamp(min=1)) ** 0.5
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=atol)
+    assert torch.equal(qt.dequantize(), quant_ops.dequantize_torch(qt))  # the native dequantization
+    rows_idx = torch.tensor([3, 0, 44, 3])
+    assert torch.equal(qt.dequantize(rows=rows_idx), quant_ops.dequantize_torch(qt)[rows_idx])
+
+
+@native
+def test_fused_kernel_takes_bf16_activations_and_rounds_once():
+    qt = random_quant(64, 128, 4, 32, True, seed=1)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    y = cpu_ops.native_ops().quant_linear(x, qt.qweight, qt.scale, qt.offset, 32, 4, None)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, _reference(x, qt, None).to(torch.bfloat16), rtol=0, atol=0.02)
+    assert torch.equal(qt.dequantize(torch.bfloat16), quant_ops.dequantize_torch(qt).to(torch.bfloat16))
+
+
+@native
+def test_fused_kernel_rejects_bad_operands():
+    qt = random_quant(4, 32, 8, 16, False)
+    ops = cpu_ops.native_ops()
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        ops.quant_linear(torch.randn(1, 31), qt.qweight, qt.scale, None, 16, 8, None)
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.quant_linear(torch.randn(1, 32), qt.qweight.float(), qt.scale, None, 16, 8, None)
+    with pytest.raises(RuntimeError, match="scale"):
+        ops.quant_linear(torch.randn(1, 32), qt.qweight, qt.scale[:3], None, 16, 8, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.quant_linear(
+            torch.randn(1, 32), qt.qweight[:, :16].contiguous().view(torch.uint8), qt.scale, None, 16, 4, None
+        )
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.quant_dequantize(qt.qweight, qt.scale, None, 16, 8, torch.tensor([4]), torch.float32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dispatch_either_side_of_the_crossover_equals_the_reference(bits):
+    below = quant_ops.DEQUANT_ROWS[bits]
+    qt = random_quant(33, 64, bits, 32, True, seed=bits)
+    bias = torch.randn(33)
+    for rows in (1, below - 1, below, 40):
+        x = torch.randn(2, rows, 64)  # leading dims are flattened and restored
+        y = qt.linear(x, bias)
+        assert y.shape == (2, rows, 33)
+        ref = _reference(x.reshape(-1, 64), qt, bias).view(2, rows, 33)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_linear_computes_through_its_weight_parts():
+    torch.manual_seed(0)
+    layer = FusedLinear(64, [(0, 32), (0, 16), (0, 16)], bias=True, dtype=torch.float32)
+    parts = [
+        random_quant(32, 64, 4, 32, True, 1),
+        random_quant(16, 64, 4, 32, True, 2),
+        random_quant(16, 64, 8, 16, False, 3),
+    ]
+    bias = torch.randn(64)
+    for i, p in enumerate(parts):
+        layer.load_checkpoint("weight", quant_ops.dequantize_torch(p), part=i)
+    quantized = QuantWeight(parts, bias)
+    assert len(quantized.parts) == 2 and quantized.bounds == [0, 48, 64]  # q and k joined, v apart
+    assert torch.equal(quantized.dequantize(), layer.weight.detach())
+    layer.quantize_(quantized)
+    assert layer.weight is None and layer.bias is None and not layer.pack_(None)
+    x = torch.randn(3, 64)
+    ref = x @ quantized.dequantize().T + bias
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="quantized"):
+        layer.load_checkpoint("weight", torch.zeros(32, 64), part=0)
+
+
+# ------------------------------------------------------------------ int8 at load
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("int8"), "llama", attention_bias=True)
+
+
+PROMPTS = [[1, 5, 9, 200, 31], [7, 7, 300], [2] * 11]
+
+
+def test_int8_model_equals_the_model_with_dequantized_weights(tiny_llama):
+    quant = load_model(tiny_llama, "float32", quantization="int8")
+    ref = load_model(tiny_llama, "float32")
+    qlayers = {n: m for n, m in quant.model.named_modules() if isinstance(m, Linear)}
+    assert qlayers and all(m.quantized is not None for m in qlayers.values())
+    for name, module in ref.model.named_modules():
+        if isinstance(module, Linear):
+            module.weight.data.copy_(qlayers[name].quantized.dequantize())
+    qd, rd = ModelDriver(quant.model, quant.config), ModelDriver(ref.model, ref.config)
+    for p in PROMPTS:
+        torch.testing.assert_close(qd.logits_of(p), rd.logits_of(p), rtol=1e-4, atol=1e-4)
+    assert qd.greedy(PROMPTS, 8) == rd.greedy(PROMPTS, 8)
+
+
+def test_bad_quantization_settings_are_refused(tiny_llama):
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        load_model(tiny_llama, "float32", quantization="int4")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        load_model(tiny_llama, "float32", quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="fp8")
+    with pytest.raises(ValueError, match="tp_size 1"):
+        EngineConfig(quantization="gguf", tp_size=2)
+
+
+def test_the_engine_serves_int8_weights_as_the_loaded_model_computes_them(tiny_llama):
+    _engine_matches_loaded(tiny_llama, "int8")
+
+
+def _engine_matches_loaded(model_path: str, quantization: str) -> None:
+    from radixserve.workers import Engine
+    from tests.engine_utils import assert_kv_invariant
+
+    loaded = load_model(model_path, "float32", quantization=quantization)
+    expected = ModelDriver(loaded.model, loaded.config).greedy(PROMPTS, 8)
+    engine = Engine(model_path, dtype="float32", quantization=quantization, max_total_tokens=2048)
+    try:
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        got = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [o["output_ids"] for o in got] == expected
+        assert_kv_invariant(engine)
+    finally:
+        engine.shutdown()
+
+
+# ------------------------------------------------------------------ GGUF's blocks
+
+
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_blocks_repack_to_the_gguf_packages_values(type_name):
+    import gguf
+    from gguf.quants import dequantize
+
+    raw = random_blocks(type_name, 6, 512, seed=len(type_name))
+    qtype = gguf.GGMLQuantizationType[type_name]
+    expected = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
+    qt = gguf_weights.decode_blocks(int(qtype), torch.from_numpy(raw), 512)
+    assert torch.equal(quant_ops.dequantize_torch(qt), expected)
+    assert torch.equal(qt.dequantize(), expected)
+    assert qt.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    # the file's float16 scales stay float16; a K-quant's products of two scales need float32
+    assert qt.scale.dtype == (torch.float32 if type_name.endswith("_K") else torch.float16)
+    per_weight = {4: 0.5, 8: 1.0}[qt.bits] + (
+        2 if qt.offset is not None else 1
+    ) * qt.scale.element_size() / qt.group
+    assert qt.nbytes == pytest.approx(expected.numel() * per_weight)
+
+
+def test_llama_rows_undo_llama_cpps_interleave():
+    from tests.tiny_models import _llama_cpp_permute
+
+    w = torch.arange(24 * 3, dtype=torch.float32).reshape(24, 3)
+    stored = _llama_cpp_permute(w, 3)
+    assert torch.equal(stored[gguf_weights.llama_rows(24, 3)], w)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny llama in a GGUF mix (K-quants need rows of 256): q/k Q4_K, v Q6_K, o Q5_0, gate
+    Q4_1, up Q5_K, down Q8_0, the tied embedding Q4_0, norms F32."""
+    root = tmp_path_factory.mktemp("gguf")
+    hf = make_tiny_checkpoint(
+        root,
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    types = {
+        "attn_q": "Q4_K",
+        "attn_k": "Q4_K",
+        "attn_v": "Q6_K",
+        "attn_output": "Q5_0",
+        "ffn_gate": "Q4_1",
+        "ffn_up": "Q5_K",
+        "ffn_down": "Q8_0",
+        "token_embd": "Q4_0",
+    }
+    return make_tiny_gguf(root, hf, quant_types=types)
+
+
+def test_a_gguf_model_computes_from_its_blocks_as_the_dequantized_model(tiny_gguf):
+    quant = load_model(tiny_gguf, "float32", quantization="gguf")
+    ref = load_model(tiny_gguf, "float32")
+    modules = dict(quant.model.named_modules())
+    assert isinstance(modules["model.embed_tokens"], VocabParallelEmbedding)
+    assert modules["model.embed_tokens"].quantized is not None and quant.model.lm_head.quantized is not None
+    linears = [m for m in modules.values() if isinstance(m, Linear)]
+    assert all(m.quantized is not None for m in linears)
+    qkv = modules["model.layers.0.self_attn.qkv_proj"].quantized
+    assert [p.bits for p in qkv.parts] == [4, 8]  # Q4_K q+k joined, Q6_K v apart
+    qd, rd = ModelDriver(quant.model, quant.config), ModelDriver(ref.model, ref.config)
+    for p in PROMPTS:
+        torch.testing.assert_close(qd.logits_of(p), rd.logits_of(p), rtol=1e-4, atol=1e-4)
+    assert qd.greedy(PROMPTS, 8) == rd.greedy(PROMPTS, 8)
+    held = sum(t.numel() * t.element_size() for t in quant.model.buffers()) + sum(
+        p.numel() * p.element_size() for p in quant.model.parameters()
+    )
+    dense = sum(p.numel() * p.element_size() for p in ref.model.parameters())
+    assert held < 0.35 * dense
+
+
+def test_the_engine_serves_a_gguf_model_from_its_blocks(tiny_gguf):
+    _engine_matches_loaded(tiny_gguf, "gguf")
+
+
+def test_the_default_model_from_its_q4_1_blocks_agrees_with_the_dequantized_model():
+    quant = load_model(None, "float32", quantization="gguf")
+    ref = load_model(None, "float32")
+    linears = [m for m in quant.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 30 * 4 + 1 and all(m.quantized is not None for m in linears)
+    assert quant.model.model.embed_tokens.quantized.bits == 8  # the file's Q8_0 embedding
+    qd, rd = ModelDriver(quant.model, quant.config), ModelDriver(ref.model, ref.config)
+    prompt = quant.tokenizer("The capital of France is")["input_ids"]
+    torch.testing.assert_close(qd.logits_of(prompt), rd.logits_of(prompt), rtol=1e-3, atol=1e-3)
+    assert qd.greedy([prompt], 8) == rd.greedy([prompt], 8)

@@ -1,0 +1,277 @@
+"""A GGUF file's quantized tensors kept as they are (`--quantization gguf`).
+
+Each of llama.cpp's block formats below is repacked, value for value, into the kernels' group form
+(kernels/quant_ops.py): the integers and the per-block scales move, nothing is rounded.
+
+    Q4_0  32 / block: d, 16 bytes of nibbles        W = d * (q - 8)            -> 4 bits, group 32
+    Q4_1  32 / block: d, m, 16 bytes of nibbles     W = d * q + m              -> 4 bits, group 32
+    Q5_0  32 / block: d, 32 high bits, nibbles      W = d * (q - 16)           -> 8 bits, group 32
+    Q5_1  32 / block: d, m, 32 high bits, nibbles   W = d * q + m              -> 8 bits, group 32
+    Q8_0  32 / block: d, 32 int8                    W = d * q                  -> 8 bits, group 32
+    Q4_K  256 / block: d, dmin, 8 x 6-bit (scale, min), 4-bit q
+                                                    W = d*sc_j * q - dmin*m_j  -> 4 bits, group 32
+    Q5_K  as Q4_K with a fifth bit per value        W = d*sc_j * q - dmin*m_j  -> 8 bits, group 32
+    Q6_K  256 / block: 16 int8 scales, 6-bit q, d   W = d*sc_j * (q - 32)      -> 8 bits, group 16
+
+Tensors of other types (F32, F16, Q2_K, Q3_K, the IQ formats) are left to the dequantized
+checkpoint. llama's q/k rows, which llama.cpp interleaves per head for its rotary, are put back in
+Hugging Face order by moving whole rows (blocks never straddle rows). `apply_gguf_weights_`
+checks every repacked tensor against the dequantized checkpoint the model was loaded from
+(gguf_convert.py) and refuses the file on any difference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from radixserve.kernels.quant_ops import QuantTensor, compact_scales, pack_int4
+from radixserve.workers.models.weight_loader import FUSED
+
+log = logging.getLogger(__name__)
+
+# llama.cpp's names for a decoder layer's projections and the global tensors.
+_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL = {"token_embd": "model.embed_tokens", "output": "lm_head"}
+
+
+def _f16(b: torch.Tensor, lo: int) -> torch.Tensor:
+    """The little-endian float16 at bytes [lo, lo + 2) of every block, as float32 [N, blocks]."""
+    return b[..., lo : lo + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] values: low nibbles (elements 0-15), then high (16-31)."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[..., 4] bytes (a little-endian uint32) -> [..., 32] bits, bit e for element e."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((qh[..., :, None] >> shifts) & 1).flatten(-2)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes -> the 8 sub-blocks' 6-bit scales and mins, int32 [..., 8]."""
+    s = s.int()
+    lo_sc, lo_m = s[..., 0:4] & 63, s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return torch.cat([lo_sc, hi_sc], -1), torch.cat([lo_m, hi_m], -1)
+
+
+def _groups(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.reshape(n, -1).contiguous()
+
+
+def _quant(n: int, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int, bits: int):
+    sc, off = compact_scales(_groups(scale, n), None if offset is None else _groups(offset, n))
+    return QuantTensor(q, sc, off, group, bits)
+
+
+def _q4(n: int, values: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> QuantTensor:
+    return _quant(n, pack_int4(values.reshape(n, -1)), scale, offset, group, 4)
+
+
+def _q8(
+    n: int, values: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int
+) -> QuantTensor:
+    return _quant(n, values.reshape(n, -1).to(torch.int8).contiguous(), scale, offset, group, 8)
+
+
+def _q4_0(b: torch.Tensor, n: int) -> QuantTensor:
+    d = _f16(b, 0)
+    return _quant(n, _groups(b[..., 2:18], n), d, -8.0 * d, 32, 4)
+
+
+def _q4_1(b: torch.Tensor, n: int) -> QuantTensor:
+    return _quant(n, _groups(b[..., 4:20], n), _f16(b, 0), _f16(b, 2), 32, 4)
+
+
+def _q5_0(b: torch.Tensor, n: int) -> QuantTensor:
+    q = _nibbles(b[..., 6:22]).short() | (_high_bits(b[..., 2:6]).short() << 4)
+    return _q8(n, q - 16, _f16(b, 0), None, 32)
+
+
+def _q5_1(b: torch.Tensor, n: int) -> QuantTensor:
+    q = _nibbles(b[..., 8:24]).short() | (_high_bits(b[..., 4:8]).short() << 4)
+    return _q8(n, q, _f16(b, 0), _f16(b, 2), 32)
+
+
+def _q8_0(b: torch.Tensor, n: int) -> QuantTensor:
+    return _q8(n, b[..., 2:34].contiguous().view(torch.int8), _f16(b, 0), None, 32)
+
+
+def _k_scale_offset(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sc, m = _k_scales(b[..., 4:16])
+    return _f16(b, 0)[..., None] * sc.float(), -(_f16(b, 2)[..., None] * m.float())
+
+
+def _q4_k(b: torch.Tensor, n: int) -> QuantTensor:
+    qs = b[..., 16:144].reshape(*b.shape[:-1], 4, 32)  # 4 chunks of 64: low nibbles, then high
+    values = torch.stack([qs & 15, qs >> 4], dim=-2)  # [..., 4, 2, 32]: sub-blocks in order
+    scale, offset = _k_scale_offset(b)
+    return _q4(n, values, scale, offset, 32)
+
+
+def _q5_k(b: torch.Tensor, n: int) -> QuantTensor:
+    qh = b[..., 16:48]  # bit 2c of byte l: element 64c + l; bit 2c + 1: element 64c + 32 + l
+    qs = b[..., 48:176].reshape(*b.shape[:-1], 4, 32)
+    shifts = torch.arange(4, dtype=torch.uint8)[:, None] * 2  # [4, 1]
+    lo = (qs & 15).short() | (((qh[..., None, :] >> shifts) & 1).short() << 4)
+    hi = (qs >> 4).short() | (((qh[..., None, :] >> (shifts + 1)) & 1).short() << 4)
+    scale, offset = _k_scale_offset(b)
+    return _q8(n, torch.stack([lo, hi], dim=-2), scale, offset, 32)
+
+
+def _q6_k(b: torch.Tensor, n: int) -> QuantTensor:
+    ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 2, 32)  # [half, first/second 32 bytes, l]
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 32)
+    quarters = [
+        (ql[..., 0, :] & 15, 0),
+        (ql[..., 1, :] & 15, 2),
+        (ql[..., 0, :] >> 4, 4),
+        (ql[..., 1, :] >> 4, 6),
+    ]
+    q = torch.stack([low.short() | (((qh >> shift) & 3).short() << 4) for low, shift in quarters], dim=-2)
+    scales = b[..., 192:208].contiguous().view(torch.int8).float()
+    return _q8(n, q - 32, _f16(b, 208)[..., None] * scales, None, 16)
+
+
+# GGML type id -> (elements per block, bytes per block, decoder)
+_DECODERS: dict[int, tuple[int, int, Callable[[torch.Tensor, int], QuantTensor]]] = {
+    2: (32, 18, _q4_0),
+    3: (32, 20, _q4_1),
+    6: (32, 22, _q5_0),
+    7: (32, 24, _q5_1),
+    8: (32, 34, _q8_0),
+    12: (256, 144, _q4_k),
+    13: (256, 176, _q5_k),
+    14: (256, 210, _q6_k),
+}
+
+
+def decode_blocks(type_id: int, raw: torch.Tensor, k: int) -> QuantTensor:
+    """A GGUF tensor's raw blocks (uint8 [N, bytes per row]) of a type in _DECODERS, K elements a
+    row -> the same values as a QuantTensor."""
+    per_block, nbytes, decoder = _DECODERS[type_id]
+    n = raw.shape[0]
+    if k % per_block or raw.shape[1] != k // per_block * nbytes:
+        raise ValueError(f"GGUF type {type_id}: {raw.shape[1]} bytes do not hold a row of {k}")
+    return decoder(raw.reshape(n, k // per_block, nbytes), n)
+
+
+def supported(type_id: int) -> bool:
+    return type_id in _DECODERS
+
+
+def llama_rows(rows: int, heads: int) -> torch.Tensor:
+    """The GGUF row that holds each Hugging Face row of a llama q/k projection (llama.cpp moves
+    HF row j * half + i of a head to 2 * i + j)."""
+    half = rows // heads // 2
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """A llama.cpp tensor name -> the Hugging Face module name, or None if not a projection."""
+    parts = gguf_name.split(".")
+    if parts[-1] != "weight":
+        return None
+    if len(parts) == 2:
+        return _GLOBAL.get(parts[0])
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK:
+        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}"
+    return None
+
+
+def read_quantized(path: str | Path, heads: int, kv_heads: int) -> tuple[dict[str, QuantTensor], dict]:
+    """(Hugging Face module name -> its weight as a QuantTensor, for every projection and the
+    embedding stored in a supported type; {type name: count} of those left dequantized)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    out: dict[str, QuantTensor] = {}
+    skipped: dict[str, int] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        type_id = int(t.tensor_type)
+        if not supported(type_id):
+            skipped[t.tensor_type.name] = skipped.get(t.tensor_type.name, 0) + 1
+            continue
+        raw = torch.from_numpy(t.data.reshape(t.data.shape[0], -1).copy())
+        qt = decode_blocks(type_id, raw, int(t.shape[0]))
+        if arch == "llama" and name.endswith(("q_proj", "k_proj")):
+            qt = qt.select_rows(llama_rows(qt.n, heads if name.endswith("q_proj") else kv_heads))
+        out[name] = qt
+    return out, skipped
+
+
+def apply_gguf_weights_(model: nn.Module, gguf_path: str | Path, heads: int, kv_heads: int) -> int:
+    """Compute every projection (and the embedding, and a tied LM head) of a model loaded from
+    `gguf_path`'s dequantized checkpoint from the file's own blocks. Returns how many modules.
+    Raises ValueError if a repacked tensor differs from what the model loaded."""
+    from radixserve.workers.models.linear import FusedLinear, Linear
+    from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
+    from radixserve.workers.models.quant_weight import QuantWeight
+
+    tensors, skipped = read_quantized(gguf_path, heads, kv_heads)
+    if skipped:
+        log.info("GGUF tensors left dequantized (types without a kernel): %s", skipped)
+    # Our module name -> {part index or None: QuantTensor}
+    by_module: dict[str, dict[int | None, QuantTensor]] = {}
+    for name, qt in tensors.items():
+        *path, leaf = name.split(".")
+        part = None
+        if leaf in FUSED:
+            leaf, part = FUSED[leaf]
+        by_module.setdefault(".".join([*path, leaf]), {})[part] = qt
+    tied = "lm_head" not in by_module and "model.embed_tokens" in by_module
+    if tied:
+        by_module["lm_head"] = by_module["model.embed_tokens"]
+    count = 0
+    for module_name, parts in by_module.items():
+        module = model.get_submodule(module_name)
+        if isinstance(module, VocabParallelEmbedding):
+            qt = parts[None]
+            _check_same(module_name, qt, module.weight)
+            module.quantize_(qt)
+            count += 1
+            continue
+        if not isinstance(module, Linear):
+            continue
+        wanted = list(range(module.num_parts)) if isinstance(module, FusedLinear) else [None]
+        if any(p not in parts for p in wanted):
+            continue  # a part stored in a type without a kernel: the whole module stays dense
+        ordered = [parts[p] for p in wanted]
+        weight = module.weight
+        bias = None if module.bias is None else module.bias.detach().float()
+        quantized = QuantWeight(ordered, bias)
+        _check_same(module_name, quantized, weight)
+        module.quantize_(quantized)
+        count += 1
+    return count
+
+
+def _check_same(name: str, quantized, dense: torch.Tensor) -> None:
+    got = quantized.dequantize(dense.dtype)
+    if got.shape != dense.shape or not torch.equal(got, dense):
+        raise ValueError(
+            f"{name}: the GGUF blocks do not give the weights of the converted checkpoint; "
+            "load this file with --quantization none"
+        )

@@ -1,0 +1,93 @@
+"""Quantized projections: a Linear computes through a QuantWeight once quantized (Linear.quantize_).
+
+`--quantization int8` quantizes every projection at load, weight only, one scale per output
+channel (kernels/quant_ops.quantize_int8), from whatever the checkpoint holds. `--quantization
+gguf` keeps a GGUF file's own blocks (workers/models/gguf_weights.py). Under tensor parallelism
+each rank would hold its slice; quantized weights run at tp_size 1 (EngineConfig refuses more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from radixserve.kernels.quant_ops import QuantTensor, cat_rows, quantize_int8
+
+QUANTIZATIONS = ("none", "int8", "gguf")
+
+
+class QuantWeight(nn.Module):
+    """y = x @ W^T (+ bias) with W the rows of `parts` (QuantTensors) in order; bias float32 [N].
+
+    Adjacent parts of one layout (bits, group, offset) are joined into one, so a fused q/k/v or
+    gate/up layer whose parts share a format runs one kernel; a GGUF mix (Q4_K beside Q6_K) runs
+    one per layout and writes the outputs side by side.
+    """
+
+    def __init__(self, parts: Sequence[QuantTensor], bias: torch.Tensor | None):
+        super().__init__()
+        joined: list[list[QuantTensor]] = []
+        for part in parts:
+            if joined and joined[-1][0].same_layout(part):
+                joined[-1].append(part)
+            else:
+                joined.append([part])
+        self.parts = [group[0] if len(group) == 1 else cat_rows(group) for group in joined]
+        self.bounds = [0]
+        for part in self.parts:
+            self.bounds.append(self.bounds[-1] + part.n)
+        self.out_features = self.bounds[-1]
+        self.bias_f32 = None if bias is None else bias.float().contiguous()
+        # Registered so that parameters() counts (and state_dict shows) what the weight holds.
+        for i, part in enumerate(self.parts):
+            for j, t in enumerate(part.tensors()):
+                self.register_buffer(f"t{i}_{j}", t, persistent=False)
+        if self.bias_f32 is not None:
+            self.register_buffer("bias", self.bias_f32, persistent=False)
+
+    @classmethod
+    def int8(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantWeight:
+        return cls([quantize_int8(weight)], bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0].linear(x, self.bias_f32)
+        b = self.bias_f32
+        outs = [
+            part.linear(x, None if b is None else b[lo:hi])
+            for part, lo, hi in zip(self.parts, self.bounds, self.bounds[1:])
+        ]
+        return torch.cat(outs, dim=-1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([part.dequantize(dtype) for part in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+
+def check_quantization(quantization: str, deterministic: bool = False) -> str:
+    """The quantization name, or ValueError for one this build does not run."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+    if quantization != "none" and deterministic:
+        raise ValueError(
+            "deterministic mode runs the fixed-order bf16 GEMM and does not take quantized weights"
+        )
+    return quantization
+
+
+def quantize_int8_(model: nn.Module) -> int:
+    """Quantize every projection of a loaded `model` (the LM head among them) in place; returns
+    how many."""
+    from radixserve.workers.models.linear import Linear
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quantize_(QuantWeight.int8(module.weight.data, module.bias))
+            count += 1
+    return count
