@@ -21,7 +21,7 @@
 
 #include "common.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -48,7 +48,12 @@ struct QuantView {
   void copy_row(const void* src, int64_t j, float* dst) const {
     if (half) {
       const at::Half* p = static_cast<const at::Half*>(src) + j * groups;
-      for (int64_t g = 0; g < groups; ++g) dst[g] = static_cast<float>(p[g]);
+      int64_t g = 0;
+#if defined(__F16C__)
+      for (; g + 8 <= groups; g += 8)
+        _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g))));
+#endif
+      for (; g < groups; ++g) dst[g] = static_cast<float>(p[g]);
     } else {
       const float* p = static_cast<const float*>(src) + j * groups;
       std::copy(p, p + groups, dst);

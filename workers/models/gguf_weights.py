@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from radixserve.kernels.quant_ops import QuantTensor, compact_scales, pack_int4
-from radixserve.workers.models.weight_loader import FUSED
 
 log = logging.getLogger(__name__)
 
@@ -226,52 +225,9 @@ def apply_gguf_weights_(model: nn.Module, gguf_path: str | Path, heads: int, kv_
     """Compute every projection (and the embedding, and a tied LM head) of a model loaded from
     `gguf_path`'s dequantized checkpoint from the file's own blocks. Returns how many modules.
     Raises ValueError if a repacked tensor differs from what the model loaded."""
-    from radixserve.workers.models.linear import FusedLinear, Linear
-    from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
-    from radixserve.workers.models.quant_weight import QuantWeight
+    from radixserve.workers.models.quant_weight import quantize_modules_
 
     tensors, skipped = read_quantized(gguf_path, heads, kv_heads)
     if skipped:
         log.info("GGUF tensors left dequantized (types without a kernel): %s", skipped)
-    # Our module name -> {part index or None: QuantTensor}
-    by_module: dict[str, dict[int | None, QuantTensor]] = {}
-    for name, qt in tensors.items():
-        *path, leaf = name.split(".")
-        part = None
-        if leaf in FUSED:
-            leaf, part = FUSED[leaf]
-        by_module.setdefault(".".join([*path, leaf]), {})[part] = qt
-    tied = "lm_head" not in by_module and "model.embed_tokens" in by_module
-    if tied:
-        by_module["lm_head"] = by_module["model.embed_tokens"]
-    count = 0
-    for module_name, parts in by_module.items():
-        module = model.get_submodule(module_name)
-        if isinstance(module, VocabParallelEmbedding):
-            qt = parts[None]
-            _check_same(module_name, qt, module.weight)
-            module.quantize_(qt)
-            count += 1
-            continue
-        if not isinstance(module, Linear):
-            continue
-        wanted = list(range(module.num_parts)) if isinstance(module, FusedLinear) else [None]
-        if any(p not in parts for p in wanted):
-            continue  # a part stored in a type without a kernel: the whole module stays dense
-        ordered = [parts[p] for p in wanted]
-        weight = module.weight
-        bias = None if module.bias is None else module.bias.detach().float()
-        quantized = QuantWeight(ordered, bias)
-        _check_same(module_name, quantized, weight)
-        module.quantize_(quantized)
-        count += 1
-    return count
-
-
-def _check_same(name: str, quantized, dense: torch.Tensor) -> None:
-    got = quantized.dequantize(dense.dtype)
-    if got.shape != dense.shape or not torch.equal(got, dense):
-        raise ValueError(
-            f"{name}: the GGUF blocks do not give the weights of the converted checkpoint; "
-            "load this file with --quantization none"
-        )
+    return quantize_modules_(model, tensors, "load this file with --quantization none")

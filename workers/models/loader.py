@@ -32,7 +32,8 @@ from radixserve.workers.models.gguf_weights import apply_gguf_weights_
 from radixserve.workers.models.linear import Linear, pack_batch_invariant
 from radixserve.workers.models.llama import LlamaForCausalLM
 from radixserve.workers.models.mixtral import MixtralForCausalLM
-from radixserve.workers.models.quant_weight import check_quantization, quantize_int8_
+from radixserve.workers.models.packed_checkpoints import PackedReader, checkpoint_method
+from radixserve.workers.models.quant_weight import check_quantization, quantize_int8_, quantize_modules_
 from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 log = logging.getLogger(__name__)
@@ -253,6 +254,19 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def _check_packed(method: str, quantization: str, deterministic: bool, parallel: Parallel | None) -> None:
+    if quantization != "none":
+        raise ValueError(
+            f"this checkpoint is {method}-quantized already and runs as it is: load it with quantization none"
+        )
+    if deterministic:
+        raise ValueError(
+            "deterministic mode runs the fixed-order bf16 GEMM and does not take quantized weights"
+        )
+    if parallel is not None and parallel.group.world_size > 1:
+        raise ValueError("quantized checkpoints run at tp_size 1")
+
+
 def load_model(
     model_path: str | None = None,
     dtype: str | torch.dtype | None = None,
@@ -273,7 +287,8 @@ def load_model(
 
     `quantization`: "int8" quantizes every projection at load (workers/models/quant_weight.py)
     from whatever the checkpoint holds; "gguf" computes from a GGUF file's own blocks
-    (workers/models/gguf_weights.py); "none" keeps the model dtype.
+    (workers/models/gguf_weights.py); "none" keeps the model dtype, or computes an AWQ / GPTQ /
+    compressed-tensors checkpoint from its packed integers (workers/models/packed_checkpoints.py).
     """
     check_quantization(quantization, deterministic)
     source = gguf_source(model_path) if quantization == "gguf" else None
@@ -285,9 +300,16 @@ def load_model(
     tokenizer = load_tokenizer(model_dir)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config = dataclasses.replace(config, eos_token_ids=(int(tokenizer.eos_token_id),))
+    packed = None if source is not None else checkpoint_method(model_dir)
+    if packed is not None:
+        _check_packed(packed[0], quantization, deterministic, parallel)
     model = build_model(config, attention_backend, device, parallel=parallel, deterministic=deterministic)
-    model.load_weights(iter_checkpoint(model_dir))
-    if deterministic:
+    reader = None if packed is None else PackedReader(*packed)
+    weights = iter_checkpoint(model_dir)
+    model.load_weights(weights if reader is None else reader.dense(weights))
+    if reader is not None:
+        quantize_modules_(model, reader.tensors, "the checkpoint's packed weights are inconsistent")
+    elif deterministic:
         pack_batch_invariant(model)
     elif quantization == "int8":
         quantize_int8_(model)

@@ -91,3 +91,47 @@ def quantize_int8_(model: nn.Module) -> int:
             module.quantize_(QuantWeight.int8(module.weight.data, module.bias))
             count += 1
     return count
+
+
+def quantize_modules_(model: nn.Module, tensors: dict[str, QuantTensor], remedy: str) -> int:
+    """Make the modules of a loaded `model` compute from `tensors` (Hugging Face module name ->
+    the weight the model loaded, quantized): projections (fused q/k/v and gate/up when all their
+    parts are there), the embedding, and a tied LM head with it. Every weight is checked against
+    what the model loaded, ValueError naming `remedy` on a difference. Returns how many modules."""
+    from radixserve.workers.models.linear import FusedLinear, Linear
+    from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
+    from radixserve.workers.models.weight_loader import FUSED
+
+    by_module: dict[str, dict[int | None, QuantTensor]] = {}  # our module -> {part: tensor}
+    for name, qt in tensors.items():
+        *path, leaf = name.split(".")
+        part = None
+        if leaf in FUSED:
+            leaf, part = FUSED[leaf]
+        by_module.setdefault(".".join([*path, leaf]), {})[part] = qt
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tied and "model.embed_tokens" in by_module:
+        by_module["lm_head"] = by_module["model.embed_tokens"]
+    count = 0
+    for module_name, parts in by_module.items():
+        module = model.get_submodule(module_name)
+        if isinstance(module, VocabParallelEmbedding):
+            _check_same(module_name, parts[None].dequantize(module.weight.dtype), module.weight, remedy)
+            module.quantize_(parts[None])
+        elif isinstance(module, Linear):
+            wanted = list(range(module.num_parts)) if isinstance(module, FusedLinear) else [None]
+            if any(p not in parts for p in wanted):
+                continue  # a part stored in a form without a kernel: the whole module stays dense
+            bias = None if module.bias is None else module.bias.detach().float()
+            quantized = QuantWeight([parts[p] for p in wanted], bias)
+            _check_same(module_name, quantized.dequantize(module.weight.dtype), module.weight, remedy)
+            module.quantize_(quantized)
+        else:
+            continue
+        count += 1
+    return count
+
+
+def _check_same(name: str, got: torch.Tensor, dense: torch.Tensor, remedy: str) -> None:
+    if got.shape != dense.shape or not torch.equal(got, dense):
+        raise ValueError(f"{name}: the quantized weights differ from the checkpoint's values; {remedy}")
