@@ -346,7 +346,8 @@ HELP = {
     "served_model_name": "the model name clients send (default: derived from the model path)",
     "dtype": "auto | bfloat16 | float32 | float16",
     "quantization": "quantized weights: none | int8 (weight-only, per-output-channel scales, quantized at load) | "
-    "gguf (a .gguf model computed from its own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); --tp 1",
+    "gguf (a .gguf model computed from its own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); AWQ / GPTQ / compressed-tensors checkpoints run "
+    "from their packed integers under none",
     "device": "where the engines run: auto (cuda where the cluster has GPUs, else cpu) | cpu | cuda "
     "(one GPU per replica, per rank with --tp)",
     "attention_backend": "auto (cpu on CPU, triton on CUDA) | cpu (fused C++) | triton (paged Triton "

@@ -99,6 +99,33 @@ class QuantTensor:
             self.qweight[rows].contiguous(), self.scale[rows].contiguous(), off, self.group, self.bits
         )
 
+    def narrow(self, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> QuantTensor | None:
+        """Rows (output features) [lo, hi) and input features [lo, hi) of W: a tensor-parallel
+        rank's slice. None when the input range cuts a group (or a 4-bit block of 32): such a
+        slice has no exact form here."""
+        qt = self
+        if rows is not None:
+            lo, hi = rows
+            off = None if qt.offset is None else qt.offset[lo:hi].contiguous()
+            qt = QuantTensor(
+                qt.qweight[lo:hi].contiguous(), qt.scale[lo:hi].contiguous(), off, qt.group, qt.bits
+            )
+        if cols is not None:
+            lo, hi = cols
+            if lo % qt.group or hi % qt.group or (qt.bits == 4 and (lo % 32 or hi % 32)):
+                return None
+            per = 2 if qt.bits == 4 else 1
+            g = slice(lo // qt.group, hi // qt.group)
+            off = None if qt.offset is None else qt.offset[:, g].contiguous()
+            qt = QuantTensor(
+                qt.qweight[:, lo // per : hi // per].contiguous(),
+                qt.scale[:, g].contiguous(),
+                off,
+                qt.group,
+                qt.bits,
+            )
+        return qt
+
     def dequantize(
         self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
     ) -> torch.Tensor:

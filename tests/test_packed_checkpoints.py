@@ -236,3 +236,21 @@ def test_what_is_not_read_is_refused(tiny, tmp_path):
     save_file(tensors, str(Path(qdir) / "model.safetensors"))
     with pytest.raises(ValueError, match="act-order"):
         load_model(qdir, "float32")
+
+
+def test_tensor_parallel_ranks_cut_an_awq_checkpoint_along_whole_groups(tiny, tmp_path):
+    from radixserve.workers.distributed.launch import run_ranks
+    from tests.tp_ranks import greedy_on_rank
+
+    qdir, _ = write_quantized(tiny, tmp_path, "awq")
+    prompts = [[1, 5, 9, 200, 31], [7, 7, 300]]
+    single = load_model(qdir, "float32")
+    driver = ModelDriver(single.model, single.config)
+    ranks = run_ranks(greedy_on_rank, 2, qdir, 2, 1, prompts, 6)
+    projections = sorted(
+        n for n, m in single.model.named_modules() if isinstance(m, Linear) and n != "lm_head"
+    )
+    for r in ranks:  # o_proj / down_proj split their 256 / 512 input features at a group boundary
+        assert r["quantized"] == projections
+        torch.testing.assert_close(r["logits"], driver.logits_of(prompts[0]), rtol=1e-4, atol=1e-4)
+        assert r["tokens"] == driver.greedy(prompts, 6)

@@ -220,8 +220,8 @@ def test_bad_quantization_settings_are_refused(tiny_llama):
         load_model(tiny_llama, "float32", quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="fp8")
-    with pytest.raises(ValueError, match="tp_size 1"):
-        EngineConfig(quantization="gguf", tp_size=2)
+    with pytest.raises(ValueError, match="deterministic"):
+        EngineConfig(quantization="gguf", deterministic=True)
 
 
 def test_the_engine_serves_int8_weights_as_the_loaded_model_computes_them(tiny_llama):
@@ -340,3 +340,18 @@ def test_the_default_model_from_its_q4_1_blocks_agrees_with_the_dequantized_mode
     prompt = quant.tokenizer("The capital of France is")["input_ids"]
     torch.testing.assert_close(qd.logits_of(prompt), rd.logits_of(prompt), rtol=1e-3, atol=1e-3)
     assert qd.greedy([prompt], 8) == rd.greedy([prompt], 8)
+
+
+def test_tensor_parallel_ranks_cut_the_gguf_blocks_along_whole_groups(tiny_gguf):
+    from radixserve.workers.distributed.launch import run_ranks
+    from tests.tp_ranks import greedy_on_rank
+
+    prompts = [[1, 5, 9, 200, 31], [7, 7, 300]]
+    single = load_model(tiny_gguf, "float32", quantization="gguf")
+    driver = ModelDriver(single.model, single.config)
+    ranks = run_ranks(greedy_on_rank, 2, tiny_gguf, 2, 1, prompts, 6, "float32", "gguf")
+    every = sorted(n for n, m in single.model.named_modules() if isinstance(m, Linear))
+    for r in ranks:  # every projection and the LM head compute from the rank's slice of the blocks
+        assert r["quantized"] == every
+        torch.testing.assert_close(r["logits"], driver.logits_of(prompts[0]), rtol=1e-4, atol=1e-4)
+        assert r["tokens"] == driver.greedy(prompts, 6)

@@ -24,10 +24,14 @@ def greedy_on_rank(
     prompts: list[list[int]],
     new_tokens: int,
     dtype: str = "float32",
+    quantization: str = "none",
 ) -> dict[str, Any]:
     """This rank's shard of the model: the first prompt's logits (and the collectives of that one
     forward), greedy tokens batched, and batched with chunked prefill."""
-    loaded = load_model(path, dtype=dtype, parallel=Parallel(ParallelConfig(tp, ep), group))
+    from radixserve.workers.models.linear import Linear
+
+    parallel = Parallel(ParallelConfig(tp, ep), group)
+    loaded = load_model(path, dtype=dtype, parallel=parallel, quantization=quantization)
     driver = ModelDriver(loaded.model, loaded.config, num_slots=1024)
     group.stats.reset()
     logits = driver.logits_of(prompts[0])
@@ -40,6 +44,11 @@ def greedy_on_rank(
         "kv_heads": loaded.model.local_kv_heads,
         "params": sum(p.numel() for p in loaded.model.parameters()),
         "packed": any(getattr(m, "packed", False) for m in loaded.model.modules()),
+        "quantized": sorted(
+            name
+            for name, m in loaded.model.named_modules()
+            if isinstance(m, Linear) and m.quantized is not None
+        ),
     }
 
 

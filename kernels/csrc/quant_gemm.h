@@ -15,7 +15,7 @@
 // Few rows of x (decode): each weight row is read once from memory and widened to float32 in
 // registers. One row: y = sum_g scale_g * (x_g . q_g) + sum_g offset_g * sum(x_g), so the inner loop
 // is one FMA per weight, the scale applied once per group. Several rows: a tile of weight rows is
-// dequantized into L1 once and dotted with every row of x. AVX-512 or AVX2 where the CPU has it, a
+// dequantized once and multiplied with every row of x (`tile_rows`). AVX-512 or AVX2 where the CPU has it, a
 // plain loop the compiler vectorizes as it can elsewhere. Many rows (prefill) dequantize the whole
 // weight (`quant_dequantize`) for torch's GEMM: kernels/quant_ops.py picks by the row count.
 
@@ -231,24 +231,28 @@ inline float scaled_dot(const QuantView& w, int64_t j, const float* x, const flo
   return total;
 }
 
-constexpr int64_t kTileRows = 8;
+// Several rows of x: kCols weight rows are dequantized into a tile laid out [K][kCols] (column
+// c of every row side by side), then each group of up to four rows of x accumulates kCols outputs
+// at once: one tile load feeds four FMAs (one per row of x), no horizontal sums.
+constexpr int64_t kCols = 16;
 
-// Dots of up to four rows of x (stride k) with one float32 weight row.
-inline void dot4(const float* x, int64_t rows, int64_t k, const float* w, float* out) {
-  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-  const float* x0 = x;
-  const float* x1 = rows > 1 ? x + k : x;
-  const float* x2 = rows > 2 ? x + 2 * k : x;
-  const float* x3 = rows > 3 ? x + 3 * k : x;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
+inline void tile_rows(const float* x, int64_t rows, int64_t k, const float* tile, float (*acc)[kCols]) {
+  const float* xs[4];
+  for (int64_t t = 0; t < 4; ++t) xs[t] = x + std::min<int64_t>(t, rows - 1) * k;
+  float a0[kCols] = {}, a1[kCols] = {}, a2[kCols] = {}, a3[kCols] = {};
   for (int64_t c = 0; c < k; ++c) {
-    a0 += x0[c] * w[c];
-    a1 += x1[c] * w[c];
-    a2 += x2[c] * w[c];
-    a3 += x3[c] * w[c];
+    const float* w = tile + c * kCols;
+    const float v0 = xs[0][c], v1 = xs[1][c], v2 = xs[2][c], v3 = xs[3][c];
+#pragma omp simd
+    for (int64_t r = 0; r < kCols; ++r) {
+      a0[r] += v0 * w[r];
+      a1[r] += v1 * w[r];
+      a2[r] += v2 * w[r];
+      a3[r] += v3 * w[r];
+    }
   }
-  const float all[4] = {a0, a1, a2, a3};
-  for (int64_t i = 0; i < rows; ++i) out[i] = all[i];
+  float* all[4] = {a0, a1, a2, a3};
+  for (int64_t t = 0; t < rows; ++t) std::copy(all[t], all[t] + kCols, acc[t]);
 }
 
 }  // namespace quant_detail
@@ -304,18 +308,19 @@ inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q
       }
       return;
     }
-    std::vector<float> tile(static_cast<size_t>(kTileRows * k));
-    float out[4];
-    for (int64_t j0 = lo; j0 < hi; j0 += kTileRows) {
-      const int64_t rows = std::min<int64_t>(kTileRows, hi - j0);
-      for (int64_t r = 0; r < rows; ++r) dequant_row(w, j0 + r, tile.data() + r * k, sc.data(), of.data());
+    std::vector<float> tile(static_cast<size_t>(kCols * k), 0.0f), row(static_cast<size_t>(k));
+    float acc[4][kCols];
+    for (int64_t j0 = lo; j0 < hi; j0 += kCols) {
+      const int64_t cols = std::min<int64_t>(kCols, hi - j0);
+      for (int64_t r = 0; r < cols; ++r) {
+        dequant_row(w, j0 + r, row.data(), sc.data(), of.data());
+        for (int64_t c = 0; c < k; ++c) tile[c * kCols + r] = row[c];
+      }
       for (int64_t i = 0; i < m; i += 4) {
         const int64_t xr = std::min<int64_t>(4, m - i);
-        for (int64_t r = 0; r < rows; ++r) {
-          dot4(xp + i * k, xr, k, tile.data() + r * k, out);
-          const float bj = b ? b[j0 + r] : 0.0f;
-          for (int64_t t = 0; t < xr; ++t) yp[(i + t) * n + j0 + r] = out[t] + bj;
-        }
+        tile_rows(xp + i * k, xr, k, tile.data(), acc);
+        for (int64_t t = 0; t < xr; ++t)
+          for (int64_t r = 0; r < cols; ++r) yp[(i + t) * n + j0 + r] = acc[t][r] + (b ? b[j0 + r] : 0.0f);
       }
     }
   });

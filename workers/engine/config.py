@@ -193,8 +193,6 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "none":
             return
-        if self.tp_size > 1:
-            raise ValueError("quantized weights run at tp_size 1")
         if self.deterministic:
             raise ValueError("deterministic mode runs the fixed-order bf16 GEMM, not quantized weights")
 

@@ -109,6 +109,7 @@ class EngineCore:
             kv=rank_kv_spec(config),
             device=self.device.type,
             lora=_lora_layout(config),
+            quantization=config.quantization,
         )
         try:
             loaded = load_model(

@@ -73,6 +73,7 @@ class FollowerSpec:
     # LoRA (max adapters per batch, max rank, max kept in memory): this rank holds its shard of
     # each adapter in its own batch slots, filled as rank 0 orders (LoRASlotOrder).
     lora: tuple[int, int, int] | None = None
+    quantization: str = "none"  # rank 0's: each rank quantizes (or cuts) its own slice
 
 
 def follow(rank: int, spec: FollowerSpec) -> None:
@@ -141,7 +142,9 @@ def _load(
     spec: FollowerSpec, group: CommGroup, store: dist.Store, device: torch.device
 ) -> tuple[Any, KVPool]:
     parallel = Parallel(ParallelConfig(spec.world_size, spec.ep_size), group)
-    loaded = load_model(spec.model_path, spec.dtype, spec.attention_backend, parallel, device)
+    loaded = load_model(
+        spec.model_path, spec.dtype, spec.attention_backend, parallel, device, quantization=spec.quantization
+    )
     layout = json.loads(store.get(POOL_KEY))  # waits: rank 0 publishes it once its own pool is sized
     mc = loaded.config
     pool = KVPool(

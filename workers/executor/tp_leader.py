@@ -96,6 +96,7 @@ class TPLeader:
         kv: RankKVSpec | None = None,
         device: str = "cpu",
         lora: tuple[int, int, int] | None = None,
+        quantization: str = "none",
     ) -> TPLeader:
         """Check the model's layout over `config`, start ranks 1..N-1 and join them as rank 0.
         Raises ValueError for a layout the model does not have (before anything starts) and
@@ -138,6 +139,7 @@ class TPLeader:
             kv=kv,
             device=device,
             lora=lora,
+            quantization=quantization,
         )
         handles = launcher.start(follow, range(1, config.tp_size), spec)
         leader = cls(Parallel.single(), store, handles, threads)

@@ -254,7 +254,7 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
-def _check_packed(method: str, quantization: str, deterministic: bool, parallel: Parallel | None) -> None:
+def _check_packed(method: str, quantization: str, deterministic: bool) -> None:
     if quantization != "none":
         raise ValueError(
             f"this checkpoint is {method}-quantized already and runs as it is: load it with quantization none"
@@ -263,8 +263,6 @@ def _check_packed(method: str, quantization: str, deterministic: bool, parallel:
         raise ValueError(
             "deterministic mode runs the fixed-order bf16 GEMM and does not take quantized weights"
         )
-    if parallel is not None and parallel.group.world_size > 1:
-        raise ValueError("quantized checkpoints run at tp_size 1")
 
 
 def load_model(
@@ -302,7 +300,7 @@ def load_model(
         config = dataclasses.replace(config, eos_token_ids=(int(tokenizer.eos_token_id),))
     packed = None if source is not None else checkpoint_method(model_dir)
     if packed is not None:
-        _check_packed(packed[0], quantization, deterministic, parallel)
+        _check_packed(packed[0], quantization, deterministic)
     model = build_model(config, attention_backend, device, parallel=parallel, deterministic=deterministic)
     reader = None if packed is None else PackedReader(*packed)
     weights = iter_checkpoint(model_dir)

@@ -2,18 +2,23 @@
 
 `--quantization int8` quantizes every projection at load, weight only, one scale per output
 channel (kernels/quant_ops.quantize_int8), from whatever the checkpoint holds. `--quantization
-gguf` keeps a GGUF file's own blocks (workers/models/gguf_weights.py). Under tensor parallelism
-each rank would hold its slice; quantized weights run at tp_size 1 (EngineConfig refuses more).
+gguf` keeps a GGUF file's own blocks (workers/models/gguf_weights.py); AWQ / GPTQ /
+compressed-tensors checkpoints arrive quantized (workers/models/packed_checkpoints.py). Under
+tensor parallelism each rank holds the slice of its projections: int8 quantizes the slice (a row's
+scale over the columns the rank holds), the others cut theirs along whole groups.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from radixserve.kernels.quant_ops import QuantTensor, cat_rows, quantize_int8
+
+log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "int8", "gguf")
 
@@ -95,10 +100,12 @@ def quantize_int8_(model: nn.Module) -> int:
 
 def quantize_modules_(model: nn.Module, tensors: dict[str, QuantTensor], remedy: str) -> int:
     """Make the modules of a loaded `model` compute from `tensors` (Hugging Face module name ->
-    the weight the model loaded, quantized): projections (fused q/k/v and gate/up when all their
-    parts are there), the embedding, and a tied LM head with it. Every weight is checked against
-    what the model loaded, ValueError naming `remedy` on a difference. Returns how many modules."""
-    from radixserve.workers.models.linear import FusedLinear, Linear
+    the full checkpoint weight, quantized): projections (fused q/k/v and gate/up when all their
+    parts are there), the embedding, and a tied LM head with it. Under tensor parallelism each
+    module takes its rank's slice (a slice that cuts a quantization group stays dense, logged).
+    Every weight is checked against what the model loaded, ValueError naming `remedy` on a
+    difference. Returns how many modules."""
+    from radixserve.workers.models.linear import Linear
     from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
     from radixserve.workers.models.weight_loader import FUSED
 
@@ -116,20 +123,49 @@ def quantize_modules_(model: nn.Module, tensors: dict[str, QuantTensor], remedy:
     for module_name, parts in by_module.items():
         module = model.get_submodule(module_name)
         if isinstance(module, VocabParallelEmbedding):
+            if module.group.world_size > 1:
+                continue  # its rows are padded per rank: the table stays dense
             _check_same(module_name, parts[None].dequantize(module.weight.dtype), module.weight, remedy)
             module.quantize_(parts[None])
         elif isinstance(module, Linear):
-            wanted = list(range(module.num_parts)) if isinstance(module, FusedLinear) else [None]
-            if any(p not in parts for p in wanted):
-                continue  # a part stored in a form without a kernel: the whole module stays dense
+            sliced = _rank_slices(module_name, module, parts)
+            if sliced is None:
+                continue
             bias = None if module.bias is None else module.bias.detach().float()
-            quantized = QuantWeight([parts[p] for p in wanted], bias)
+            quantized = QuantWeight(sliced, bias)
             _check_same(module_name, quantized.dequantize(module.weight.dtype), module.weight, remedy)
             module.quantize_(quantized)
         else:
             continue
         count += 1
     return count
+
+
+def _rank_slices(
+    name: str, module: nn.Module, parts: dict[int | None, QuantTensor]
+) -> list[QuantTensor] | None:
+    """The QuantTensors of the rows and columns `module` (a Linear) holds, in its row order; None
+    when it stays dense (a part missing, padded rows, a slice across a group)."""
+    from radixserve.workers.models.linear import FusedLinear, Linear
+
+    assert isinstance(module, Linear)
+    wanted: list[tuple[int | None, tuple[int, int] | None]]
+    if isinstance(module, FusedLinear):
+        wanted = list(enumerate(module.parts))
+    else:
+        wanted = [(None, module.rows)]
+    if any(p not in parts for p, _ in wanted):
+        return None  # a part stored in a form without a kernel: the whole module stays dense
+    out = []
+    for p, rows in wanted:
+        qt = parts[p].narrow(rows, module.cols)
+        if qt is None:
+            log.info("%s: its tensor-parallel slice cuts a quantization group; it stays dense", name)
+            return None
+        out.append(qt)
+    if sum(qt.n for qt in out) != module.out_features:
+        return None  # padded rows (a vocabulary split unevenly)
+    return out
 
 
 def _check_same(name: str, got: torch.Tensor, dense: torch.Tensor, remedy: str) -> None:
