@@ -34,7 +34,7 @@ from radixserve.kernels import cpu_ops
 
 # Rows from which dequantize + torch GEMM beats the fused kernel (load_tests/bench_quant.py
 # --crossover measures it; 2-core AVX2 host, SmolLM2-135M shapes, float32 activations).
-DEQUANT_ROWS = {4: 16, 8: 16}
+DEQUANT_ROWS = {4: 32, 8: 32}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 _SCALE_DTYPES = (torch.float32, torch.float16)
 

@@ -207,6 +207,9 @@ def test_int8_model_equals_the_model_with_dequantized_weights(tiny_llama):
     for name, module in ref.model.named_modules():
         if isinstance(module, Linear):
             module.weight.data.copy_(qlayers[name].quantized.dequantize())
+    table = quant.model.model.embed_tokens.quantized  # one scale per token's row
+    assert table is not None and (table.bits, table.group) == (8, quant.config.hidden_size)
+    ref.model.model.embed_tokens.weight.data.copy_(table.dequantize())
     qd, rd = ModelDriver(quant.model, quant.config), ModelDriver(ref.model, ref.config)
     for p in PROMPTS:
         torch.testing.assert_close(qd.logits_of(p), rd.logits_of(p), rtol=1e-4, atol=1e-4)

@@ -15,7 +15,7 @@
 // Few rows of x (decode): each weight row is read once from memory and widened to float32 in
 // registers. One row: y = sum_g scale_g * (x_g . q_g) + sum_g offset_g * sum(x_g), so the inner loop
 // is one FMA per weight, the scale applied once per group. Several rows: a tile of weight rows is
-// dequantized once and multiplied with every row of x (`tile_rows`). AVX-512 or AVX2 where the CPU has it, a
+// dequantized once and dotted with every row of x (`dot_4x2`). AVX-512 or AVX2 where the CPU has it, a
 // plain loop the compiler vectorizes as it can elsewhere. Many rows (prefill) dequantize the whole
 // weight (`quant_dequantize`) for torch's GEMM: kernels/quant_ops.py picks by the row count.
 
@@ -231,28 +231,31 @@ inline float scaled_dot(const QuantView& w, int64_t j, const float* x, const flo
   return total;
 }
 
-// Several rows of x: kCols weight rows are dequantized into a tile laid out [K][kCols] (column
-// c of every row side by side), then each group of up to four rows of x accumulates kCols outputs
-// at once: one tile load feeds four FMAs (one per row of x), no horizontal sums.
-constexpr int64_t kCols = 16;
+// Several rows of x: kTileRows weight rows are dequantized (row-major, into L1/L2) once, then
+// every pair of them is dotted with four rows of x at a time: per 8 columns, two weight loads and
+// four x loads feed eight FMAs (eight vector accumulators, summed across lanes at the end).
+constexpr int64_t kTileRows = 16;
 
-inline void tile_rows(const float* x, int64_t rows, int64_t k, const float* tile, float (*acc)[kCols]) {
-  const float* xs[4];
-  for (int64_t t = 0; t < 4; ++t) xs[t] = x + std::min<int64_t>(t, rows - 1) * k;
-  float a0[kCols] = {}, a1[kCols] = {}, a2[kCols] = {}, a3[kCols] = {};
+inline void dot_4x2(const float* x, int64_t rows, int64_t k, const float* w0, const float* w1, float out[2][4]) {
+  const float* x0 = x;
+  const float* x1 = x + std::min<int64_t>(1, rows - 1) * k;
+  const float* x2 = x + std::min<int64_t>(2, rows - 1) * k;
+  const float* x3 = x + std::min<int64_t>(3, rows - 1) * k;
+  float a00 = 0.0f, a01 = 0.0f, a02 = 0.0f, a03 = 0.0f, a10 = 0.0f, a11 = 0.0f, a12 = 0.0f, a13 = 0.0f;
+#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13)
   for (int64_t c = 0; c < k; ++c) {
-    const float* w = tile + c * kCols;
-    const float v0 = xs[0][c], v1 = xs[1][c], v2 = xs[2][c], v3 = xs[3][c];
-#pragma omp simd
-    for (int64_t r = 0; r < kCols; ++r) {
-      a0[r] += v0 * w[r];
-      a1[r] += v1 * w[r];
-      a2[r] += v2 * w[r];
-      a3[r] += v3 * w[r];
-    }
+    const float u = w0[c], v = w1[c];
+    a00 += x0[c] * u;
+    a01 += x1[c] * u;
+    a02 += x2[c] * u;
+    a03 += x3[c] * u;
+    a10 += x0[c] * v;
+    a11 += x1[c] * v;
+    a12 += x2[c] * v;
+    a13 += x3[c] * v;
   }
-  float* all[4] = {a0, a1, a2, a3};
-  for (int64_t t = 0; t < rows; ++t) std::copy(all[t], all[t] + kCols, acc[t]);
+  out[0][0] = a00, out[0][1] = a01, out[0][2] = a02, out[0][3] = a03;
+  out[1][0] = a10, out[1][1] = a11, out[1][2] = a12, out[1][3] = a13;
 }
 
 }  // namespace quant_detail
@@ -308,19 +311,22 @@ inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q
       }
       return;
     }
-    std::vector<float> tile(static_cast<size_t>(kCols * k), 0.0f), row(static_cast<size_t>(k));
-    float acc[4][kCols];
-    for (int64_t j0 = lo; j0 < hi; j0 += kCols) {
-      const int64_t cols = std::min<int64_t>(kCols, hi - j0);
-      for (int64_t r = 0; r < cols; ++r) {
-        dequant_row(w, j0 + r, row.data(), sc.data(), of.data());
-        for (int64_t c = 0; c < k; ++c) tile[c * kCols + r] = row[c];
-      }
-      for (int64_t i = 0; i < m; i += 4) {
-        const int64_t xr = std::min<int64_t>(4, m - i);
-        tile_rows(xp + i * k, xr, k, tile.data(), acc);
-        for (int64_t t = 0; t < xr; ++t)
-          for (int64_t r = 0; r < cols; ++r) yp[(i + t) * n + j0 + r] = acc[t][r] + (b ? b[j0 + r] : 0.0f);
+    std::vector<float> tile(static_cast<size_t>(kTileRows * k));
+    float out[2][4];
+    for (int64_t j0 = lo; j0 < hi; j0 += kTileRows) {
+      const int64_t rows = std::min<int64_t>(kTileRows, hi - j0);
+      for (int64_t r = 0; r < rows; ++r) dequant_row(w, j0 + r, tile.data() + r * k, sc.data(), of.data());
+      for (int64_t r = 0; r < rows; r += 2) {
+        const float* w0 = tile.data() + r * k;
+        const float* w1 = r + 1 < rows ? w0 + k : w0;
+        for (int64_t i = 0; i < m; i += 4) {
+          const int64_t xr = std::min<int64_t>(4, m - i);
+          dot_4x2(xp + i * k, xr, k, w0, w1, out);
+          for (int64_t h = 0; h < 2 && r + h < rows; ++h) {
+            const float bj = b ? b[j0 + r + h] : 0.0f;
+            for (int64_t t = 0; t < xr; ++t) yp[(i + t) * n + j0 + r + h] = out[h][t] + bj;
+          }
+        }
       }
     }
   });

@@ -86,14 +86,24 @@ def check_quantization(quantization: str, deterministic: bool = False) -> str:
 
 
 def quantize_int8_(model: nn.Module) -> int:
-    """Quantize every projection of a loaded `model` (the LM head among them) in place; returns
-    how many."""
+    """Quantize every projection of a loaded `model` (the LM head among them) and, at tp_size 1,
+    the embedding (one scale per token's row; a tied LM head and the embedding share one int8
+    table) in place; returns how many modules."""
     from radixserve.workers.models.linear import Linear
+    from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
 
     count = 0
+    tables: dict[int, QuantTensor] = {}  # weight storage -> its int8 table
     for module in model.modules():
         if isinstance(module, Linear):
-            module.quantize_(QuantWeight.int8(module.weight.data, module.bias))
+            quantized = QuantWeight.int8(module.weight.data, module.bias)
+            tables[module.weight.data_ptr()] = quantized.parts[0]
+            module.quantize_(quantized)
+            count += 1
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and module.group.world_size == 1:
+            table = tables.get(module.weight.data_ptr()) or quantize_int8(module.weight.data)
+            module.quantize_(table)
             count += 1
     return count
 
