@@ -345,7 +345,8 @@ HELP = {
     "model_path": "HF directory, .gguf file, or unset for the embedded SmolLM2-135M-Instruct",
     "served_model_name": "the model name clients send (default: derived from the model path)",
     "dtype": "auto | bfloat16 | float32 | float16",
-    "quantization": "quantized weights: none | int8 (weight-only, per-output-channel scales, quantized at load) | "
+    "quantization": "quantized weights: auto (gguf for a .gguf model on the CPU with --dtype auto, else none) | "
+    "none | int8 (weight-only, per-output-channel scales, quantized at load) | "
     "gguf (a .gguf model computed from its own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); AWQ / GPTQ / compressed-tensors checkpoints run "
     "from their packed integers under none",
     "device": "where the engines run: auto (cuda where the cluster has GPUs, else cpu) | cpu | cuda "

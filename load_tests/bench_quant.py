@@ -29,7 +29,7 @@ from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.models.forward_batch import ForwardBatch
 from radixserve.workers.models.loader import LoadedModel, load_model
-from radixserve.workers.models.quant_weight import QuantWeight
+from radixserve.workers.models.quant_weight import weight_nbytes
 
 
 def batch_of(
@@ -149,16 +149,6 @@ def crossover() -> None:
                 )
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's weights: its parameters and the quantized weights' tensors."""
-    tensors = list(model.parameters())
-    for module in model.modules():
-        if isinstance(module, QuantWeight) or getattr(module, "quantized", None) is not None:
-            tensors += [t for name, t in module.named_buffers(recurse=False)]
-    seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
-    return sum(seen.values())
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -183,7 +173,7 @@ def main() -> None:
     result = {}
     for m, r in runners.items():
         result[m] = {
-            "bytes": weight_bytes(r.model),
+            "bytes": weight_nbytes(r.model),
             **rates[m],
             "ppl": r.perplexity(text_ids, args.window),
             "tokens": r.greedy(prompts, 32)[0],

@@ -358,3 +358,16 @@ def test_tensor_parallel_ranks_cut_the_gguf_blocks_along_whole_groups(tiny_gguf)
         assert r["quantized"] == every
         torch.testing.assert_close(r["logits"], driver.logits_of(prompts[0]), rtol=1e-4, atol=1e-4)
         assert r["tokens"] == driver.greedy(prompts, 6)
+
+
+def test_auto_computes_a_gguf_model_from_its_blocks_unless_a_dtype_is_asked_for(tiny_llama, tiny_gguf):
+    from radixserve.workers.models.loader import resolve_quantization
+
+    assert resolve_quantization("auto", None, None) == "gguf"  # the embedded default
+    assert resolve_quantization("auto", tiny_gguf, "auto") == "gguf"
+    assert resolve_quantization("auto", tiny_gguf, "float32") == "none"  # the dequantized path
+    assert resolve_quantization("auto", tiny_gguf, None, deterministic=True) == "none"
+    assert resolve_quantization("auto", tiny_gguf, None, device="cuda") == "none"
+    assert resolve_quantization("auto", tiny_llama, None) == "none"
+    assert resolve_quantization("int8", tiny_llama, None) == "int8"
+    assert EngineConfig().quantization == "auto"

@@ -29,9 +29,11 @@ class EngineConfig:
     model_path: str | None = None  # None = the embedded default model
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = bf16 where the CPU/GPU supports it, else fp32
-    # Weight quantization at load (workers/models/quant_weight.py): none | int8 (per output channel,
-    # quantized at load) | gguf (a GGUF model computed from its own blocks).
-    quantization: str = "none"
+    # Quantized weights (workers/models/quant_weight.py): auto (gguf for a GGUF model on the CPU
+    # with dtype auto, else none) | none | int8 (per output channel, quantized at load) | gguf (a
+    # GGUF model computed from its own blocks). AWQ / GPTQ / compressed-tensors checkpoints run from
+    # their packed integers under auto and none.
+    quantization: str = "auto"
     device: str = "auto"  # one of DEVICES: auto = cuda where torch sees a GPU, else cpu
     context_length: int | None = None  # default: the model's
     mem_fraction_static: float | None = None  # share of memory for weights + KV pool
@@ -191,7 +193,7 @@ class EngineConfig:
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization == "none":
+        if self.quantization in ("none", "auto"):
             return
         if self.deterministic:
             raise ValueError("deterministic mode runs the fixed-order bf16 GEMM, not quantized weights")

@@ -68,7 +68,8 @@ from radixserve.workers.mem_cache.memory import max_tokens_for_memory
 from radixserve.workers.mem_cache.prefix_cache import NullCache
 from radixserve.workers.mem_cache.radix_cache import RadixCache
 from radixserve.workers.mem_cache.req_to_token_pool import ReqToTokenPool
-from radixserve.workers.models.loader import load_model
+from radixserve.workers.models.loader import load_model, resolve_quantization
+from radixserve.workers.models.quant_weight import weight_nbytes
 from radixserve.workers.protocol import (
     EngineError,
     EngineLoad,
@@ -99,6 +100,10 @@ class EngineCore:
         tune_malloc()
         self.device = resolve_device(config.device)  # a missing GPU fails here, before any rank starts
         dtype = None if config.dtype == "auto" else config.dtype
+        # Resolved once here, so that every rank computes from the same form.
+        quantization = resolve_quantization(
+            config.quantization, config.model_path, dtype, self.device, config.deterministic
+        )
         self.tp = TPLeader.start(
             config.parallel,
             config.model_path,
@@ -109,7 +114,7 @@ class EngineCore:
             kv=rank_kv_spec(config),
             device=self.device.type,
             lora=_lora_layout(config),
-            quantization=config.quantization,
+            quantization=quantization,
         )
         try:
             loaded = load_model(
@@ -119,7 +124,7 @@ class EngineCore:
                 self.tp.parallel,
                 self.device,
                 deterministic=config.deterministic,
-                quantization=config.quantization,
+                quantization=quantization,
             )
             mc = loaded.config
             self.lora = _lora_manager(config, loaded.model, mc.dtype, self.device, self.tp)
@@ -217,7 +222,7 @@ class EngineCore:
             free, total = torch.cuda.mem_get_info(self.device)
             fraction = self.config.mem_fraction_static or DEFAULT_GPU_MEM_FRACTION
             return max_tokens_for_memory(fraction, total - free, per_token, total)
-        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        weight_bytes = weight_nbytes(loaded.model)
         if self.lora is not None:  # the batch slots' buffers, and the adapters kept in memory
             weight_bytes += self.lora.nbytes + self.lora.loaded_bytes_cap
         fraction = self.config.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION

@@ -254,6 +254,27 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def resolve_quantization(
+    quantization: str,
+    model_path: str | None,
+    dtype: str | torch.dtype | None,
+    device: str | torch.device = "cpu",
+    deterministic: bool = False,
+) -> str:
+    """`quantization` checked, with "auto" made concrete: a GGUF model (the embedded default
+    among them) computes from its own blocks ("gguf") on the CPU unless a dtype was asked for or
+    deterministic mode is on; anything else "none" (a quantized checkpoint then runs from its
+    packed integers)."""
+    check_quantization(quantization, deterministic)
+    if quantization != "auto":
+        return quantization
+    plain = dtype is None or dtype == "auto"
+    on_cpu = torch.device(device).type == "cpu"
+    if plain and on_cpu and not deterministic and gguf_source(model_path) is not None:
+        return "gguf"
+    return "none"
+
+
 def _check_packed(method: str, quantization: str, deterministic: bool) -> None:
     if quantization != "none":
         raise ValueError(
@@ -286,9 +307,11 @@ def load_model(
     `quantization`: "int8" quantizes every projection at load (workers/models/quant_weight.py)
     from whatever the checkpoint holds; "gguf" computes from a GGUF file's own blocks
     (workers/models/gguf_weights.py); "none" keeps the model dtype, or computes an AWQ / GPTQ /
-    compressed-tensors checkpoint from its packed integers (workers/models/packed_checkpoints.py).
+    compressed-tensors checkpoint from its packed integers (workers/models/packed_checkpoints.py);
+    "auto" (`resolve_quantization`) is "gguf" for a GGUF model on the CPU without a dtype asked for,
+    else "none".
     """
-    check_quantization(quantization, deterministic)
+    quantization = resolve_quantization(quantization, model_path, dtype, device, deterministic)
     source = gguf_source(model_path) if quantization == "gguf" else None
     if quantization == "gguf" and source is None:
         raise ValueError("quantization gguf computes from a GGUF file's blocks; this model is not a .gguf")

@@ -20,7 +20,7 @@ from radixserve.kernels.quant_ops import QuantTensor, cat_rows, quantize_int8
 
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 
 
 class QuantWeight(nn.Module):
@@ -78,7 +78,7 @@ def check_quantization(quantization: str, deterministic: bool = False) -> str:
     """The quantization name, or ValueError for one this build does not run."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
-    if quantization != "none" and deterministic:
+    if quantization not in ("none", "auto") and deterministic:
         raise ValueError(
             "deterministic mode runs the fixed-order bf16 GEMM and does not take quantized weights"
         )
@@ -181,3 +181,13 @@ def _rank_slices(
 def _check_same(name: str, got: torch.Tensor, dense: torch.Tensor, remedy: str) -> None:
     if got.shape != dense.shape or not torch.equal(got, dense):
         raise ValueError(f"{name}: the quantized weights differ from the checkpoint's values; {remedy}")
+
+
+def weight_nbytes(model: nn.Module) -> int:
+    """Bytes of a model's weights: its parameters and its quantized weights' tensors (buffers of
+    the modules that compute from them), each storage counted once."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        if isinstance(module, QuantWeight) or getattr(module, "quantized", None) is not None:
+            tensors += list(module.buffers(recurse=False))
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
