@@ -186,7 +186,7 @@ def _check_same(name: str, got: torch.Tensor, dense: torch.Tensor, remedy: str) 
 def weight_nbytes(model: nn.Module) -> int:
     """Bytes of a model's weights: its parameters and its quantized weights' tensors (buffers of
     the modules that compute from them), each storage counted once."""
-    tensors = list(model.parameters())
+    tensors: list[torch.Tensor] = list(model.parameters())
     for module in model.modules():
         if isinstance(module, QuantWeight) or getattr(module, "quantized", None) is not None:
             tensors += list(module.buffers(recurse=False))
