@@ -99,6 +99,13 @@ class QuantTensor:
             self.qweight[rows].contiguous(), self.scale[rows].contiguous(), off, self.group, self.bits
         )
 
+    def to(self, device: torch.device | str) -> QuantTensor:
+        """This weight on `device` (itself where it is there already)."""
+        if self.qweight.device == torch.device(device):
+            return self
+        off = None if self.offset is None else self.offset.to(device)
+        return QuantTensor(self.qweight.to(device), self.scale.to(device), off, self.group, self.bits)
+
     def narrow(self, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> QuantTensor | None:
         """Rows (output features) [lo, hi) and input features [lo, hi) of W: a tensor-parallel
         rank's slice. None when the input range cuts a group (or a 4-bit block of 32): such a

@@ -135,14 +135,15 @@ def quantize_modules_(model: nn.Module, tensors: dict[str, QuantTensor], remedy:
         if isinstance(module, VocabParallelEmbedding):
             if module.group.world_size > 1:
                 continue  # its rows are padded per rank: the table stays dense
-            _check_same(module_name, parts[None].dequantize(module.weight.dtype), module.weight, remedy)
-            module.quantize_(parts[None])
+            table = parts[None].to(module.weight.device)
+            _check_same(module_name, table.dequantize(module.weight.dtype), module.weight, remedy)
+            module.quantize_(table)
         elif isinstance(module, Linear):
             sliced = _rank_slices(module_name, module, parts)
             if sliced is None:
                 continue
             bias = None if module.bias is None else module.bias.detach().float()
-            quantized = QuantWeight(sliced, bias)
+            quantized = QuantWeight([qt.to(module.weight.device) for qt in sliced], bias)
             _check_same(module_name, quantized.dequantize(module.weight.dtype), module.weight, remedy)
             module.quantize_(quantized)
         else:
