@@ -112,6 +112,23 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(engine, pro
     assert_kv_invariant(engine)
 
 
+def test_adapters_over_the_default_models_own_gguf_blocks_equal_transformers_merged(
+    adapters, prompts, references
+):
+    """The default engine computes the base from the GGUF file's blocks (quantization auto): the
+    adapters add their deltas to that output as to the dequantized one."""
+    paths = tuple(f"{n}={p}" for n, p in adapters.items())
+    eng = Engine(max_total_tokens=4096, lora_paths=paths, max_loras_per_batch=4)
+    try:
+        base = eng.core.runner.model.model.layers[0].mlp.down_proj
+        assert base.quantized is not None and base.lora is not None
+        for name in ("qv8", "all16"):
+            assert outputs(eng, prompts, name) == references[name], name
+        assert_kv_invariant(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_the_cache_is_namespaced_by_adapter(engine):
     prompt = engine.tokenizer.encode("A long shared system prompt. " * 12)
     once = {"max_new_tokens": 2, "temperature": 0}
