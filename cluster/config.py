@@ -349,6 +349,8 @@ HELP = {
     "none | int8 (weight-only, per-output-channel scales, quantized at load) | "
     "gguf (a .gguf model computed from its own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); AWQ / GPTQ / compressed-tensors checkpoints run "
     "from their packed integers under none",
+    "quantized_activations": "how quantized weights multiply decode rows: float (exact up to summation order) | "
+    "int8 (rows rounded to int8 per block of 32, integer products: faster)",
     "device": "where the engines run: auto (cuda where the cluster has GPUs, else cpu) | cpu | cuda "
     "(one GPU per replica, per rank with --tp)",
     "attention_backend": "auto (cpu on CPU, triton on CUDA) | cpu (fused C++) | triton (paged Triton "

@@ -20,6 +20,11 @@ integers, widened in registers; from `dequant_rows(bits)` rows up the weight is 
 torch's GEMM, which reuses each weight tile across many rows (the dequantization, N*K, is then
 small beside the M*N*K of the product). Without the extension (or off the CPU) the weight is
 dequantized in torch.
+
+Optionally (`int8_activations`, the engine's `quantized_activations="int8"`), decode rows of x are
+rounded to int8 per block of 32 and multiplied with the weights as integers, as llama.cpp does:
+faster per weight, and the activations' rounding is then the only difference from the float
+path, whose results equal dequantize-then-matmul up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from radixserve.kernels import cpu_ops
 # Rows from which dequantize + torch GEMM beats the fused kernel (load_tests/bench_quant.py
 # --crossover measures it; 2-core AVX2 host, SmolLM2-135M shapes, float32 activations).
 DEQUANT_ROWS = {4: 32, 8: 32}
+# Rows of x below which int8 activations take the integer kernel (csrc/quant_gemm.h kInt8Rows).
+INT8_ACTIVATION_ROWS = 4
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 _SCALE_DTYPES = (torch.float32, torch.float16)
 
@@ -144,13 +151,22 @@ class QuantTensor:
             )
         return dequantize_torch(self, rows).to(dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, dequant_rows: int | None = None):
-        """x [..., K] @ W^T (+ bias float32 [N]) -> [..., N] in x's dtype."""
+    def linear(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        dequant_rows: int | None = None,
+        int8_activations: bool = False,
+    ):
+        """x [..., K] @ W^T (+ bias float32 [N]) -> [..., N] in x's dtype. `int8_activations`:
+        decode rows of x are rounded to int8 per block of 32 and multiplied as integers, where
+        the CPU has the kernel and the group is a multiple of 32 (INT8_ACTIVATION_ROWS)."""
         x2 = x.reshape(-1, x.shape[-1])
         below = DEQUANT_ROWS[self.bits] if dequant_rows is None else dequant_rows
         ops = cpu_ops.native_ops()
         if ops is not None and x2.device.type == "cpu" and x.dtype in _FUSED_DTYPES and x2.shape[0] < below:
-            y = ops.quant_linear(x2, self.qweight, self.scale, self.offset, self.group, self.bits, bias)
+            kernel = ops.quant_linear_int8_x if int8_activations else ops.quant_linear
+            y = kernel(x2, self.qweight, self.scale, self.offset, self.group, self.bits, bias)
         else:
             b = None if bias is None else bias.to(x.dtype)
             y = F.linear(x2, self.dequantize(x.dtype), b)

@@ -1,6 +1,7 @@
 """Decode at batch 1 on a GGUF file: this engine computing from the file's blocks (`--quantization
-gguf`), the same engine on the dequantized weights, and llama.cpp's llama-server on the same file,
-side by side in one run (the systems take turns round after round; medians reported).
+gguf`, with float and with int8 activations), the same engine on the dequantized weights, and
+llama.cpp's llama-server on the same file, side by side in one run (the systems take turns round
+after round; medians reported).
 
 The rate is each engine's own decode rate: tokens after the first over the time from the first to
 the last (this engine: streamed chunks of the offline Engine, greedy, ignore_eos; llama-server: the
@@ -96,10 +97,12 @@ class LlamaServer:
 
 
 class OurEngine:
-    def __init__(self, model: str | None, quantization: str):
+    def __init__(self, model: str | None, quantization: str, activations: str = "float"):
         from radixserve.workers import Engine
 
-        self.engine = Engine(model, quantization=quantization, max_total_tokens=4096)
+        self.engine = Engine(
+            model, quantization=quantization, quantized_activations=activations, max_total_tokens=4096
+        )
 
     def decode_rate(self, tokens: int) -> float:
         async def run() -> float:
@@ -130,6 +133,7 @@ def main() -> None:
     gguf = Path(args.model) if args.model else default_gguf_path()
     systems: dict[str, Any] = {
         "radixserve gguf": OurEngine(args.model, "gguf"),
+        "radixserve gguf int8 act": OurEngine(args.model, "gguf", "int8"),
         "radixserve dequantized": OurEngine(args.model, "none"),
     }
     if args.llama_server:

@@ -7,7 +7,7 @@ the reference's, and the mean matched-prefix length). The reference is the model
 for a GGUF model that is the file dequantized, so `gguf` is compared with the same weights.
 Decode rates are medians of --rounds rounds in which the models take turns.
 
-    python -m load_tests.bench_quant [--model PATH] [--dtype auto] [--quantization int8,gguf]
+    python -m load_tests.bench_quant [--model PATH] [--dtype auto] [--quantization int8,gguf,gguf:int8]
     python -m load_tests.bench_quant --crossover   # fused kernels vs dequantize + GEMM, per rows
 """
 
@@ -153,7 +153,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="int8,gguf", help="comma-separated: int8, gguf")
+    p.add_argument(
+        "--quantization",
+        default="int8,gguf,gguf:int8",
+        help="comma-separated: int8, gguf; with :int8 for int8 activations (gguf:int8)",
+    )
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -163,7 +167,12 @@ def main() -> None:
     if args.crossover:
         return crossover()
     modes = ["none", *args.quantization.split(",")]
-    loaded = {m: load_model(args.model, args.dtype, quantization=m) for m in modes}
+    loaded = {}
+    for m in modes:  # "gguf:int8" = quantization gguf with int8 activations
+        quantization, _, acts = m.partition(":")
+        loaded[m] = load_model(
+            args.model, args.dtype, quantization=quantization, quantized_activations=acts or "float"
+        )
     ref = loaded["none"]
     ids = ref.tokenizer(fixed_text())["input_ids"]
     text_ids, rest = ids[: args.ppl_tokens], ids[args.ppl_tokens :]

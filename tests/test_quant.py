@@ -371,3 +371,70 @@ def test_auto_computes_a_gguf_model_from_its_blocks_unless_a_dtype_is_asked_for(
     assert resolve_quantization("auto", tiny_llama, None) == "none"
     assert resolve_quantization("int8", tiny_llama, None) == "int8"
     assert EngineConfig().quantization == "auto"
+
+
+# ------------------------------------------------------------------ int8 activations
+
+int8_x = pytest.mark.skipif(
+    cpu_ops.native_ops() is None or not cpu_ops.native_ops().quant_int8_x_available(),
+    reason="the integer kernel needs the CPU extension on an AVX2 CPU",
+)
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the integer path rounds it: int8 per block of 32, scale max|x| / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
+    return (q * scale).reshape(x.shape)
+
+
+@int8_x
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (4, 256, 32, True, True),
+        (4, 256, 128, True, False),
+        (8, 256, 32, False, True),
+        (8, 128, 128, True, False),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_int8_activations_multiply_the_rounded_rows_exactly(layout, rows):
+    bits, k, group, offset, half = layout
+    qt = random_quant(40, k, bits, group, offset, seed=rows + bits, half=half)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(40)
+    y = cpu_ops.native_ops().quant_linear_int8_x(x, qt.qweight, qt.scale, qt.offset, group, bits, bias)
+    scaled = QuantTensor(qt.qweight, qt.scale, None, group, bits)  # scale * q
+    if (
+        rows < quant_ops.INT8_ACTIVATION_ROWS
+    ):  # integers: the rounded rows times scale * q, plus the offsets' exact share
+        ref = _int8_rows(x) @ quant_ops.dequantize_torch(scaled).T + bias
+        if offset:
+            ref += x @ (quant_ops.dequantize_torch(qt) - quant_ops.dequantize_torch(scaled)).T
+    else:  # from INT8_ACTIVATION_ROWS rows on, the float path
+        ref = _reference(x, qt, bias)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+@int8_x
+def test_int8_activations_are_served_as_the_loaded_model_computes_them(tiny_gguf):
+    from radixserve.workers import Engine
+
+    loaded = load_model(tiny_gguf, "float32", quantization="gguf", quantized_activations="int8")
+    projections = [m.quantized for m in loaded.model.modules() if isinstance(m, Linear)]
+    assert projections and all(q.int8_activations for q in projections)
+    expected = ModelDriver(loaded.model, loaded.config).greedy(PROMPTS, 8)
+    engine = Engine(tiny_gguf, quantization="gguf", quantized_activations="int8", max_total_tokens=2048)
+    try:
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        assert [
+            o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)
+        ] == expected
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="has none"):
+        load_model(tiny_gguf, "float32", quantized_activations="int8")
+    with pytest.raises(ValueError, match="quantized_activations must be one of"):
+        EngineConfig(quantized_activations="fp8")

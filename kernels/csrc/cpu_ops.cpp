@@ -49,8 +49,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return packed_linear(x, wp, n, bias, true, false);
       },
       "packed_linear_fixed on the AVX512-BF16 chains even where AMX is there", release());
-  m.def("quant_linear", &quant_linear, "x @ W^T (+ bias), W group-quantized (4 or 8 bits), widened in registers",
-        release());
+  m.def(
+      "quant_linear",
+      [](const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+         const c10::optional<torch::Tensor>& offset, int64_t group, int64_t bits,
+         const c10::optional<torch::Tensor>& bias) { return quant_linear(x, q, scale, offset, group, bits, bias); },
+      "x @ W^T (+ bias), W group-quantized (4 or 8 bits), widened in registers", release());
+  m.def(
+      "quant_linear_int8_x",
+      [](const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+         const c10::optional<torch::Tensor>& offset, int64_t group, int64_t bits,
+         const c10::optional<torch::Tensor>& bias) {
+        return quant_linear(x, q, scale, offset, group, bits, bias, true);
+      },
+      "quant_linear with decode rows of x rounded to int8 per block of 32 and multiplied as integers",
+      release());
+  m.def("quant_int8_x_available", [] {
+#if defined(RADIXSERVE_QUANT_INT8_X)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether quant_linear_int8_x has its integer path here (AVX2)");
   m.def("quant_dequantize", &quant_dequantize, "a group-quantized W (or some of its rows) as a dense tensor",
         release());
   m.def("lora_bgmv_", &lora_bgmv_, "y += each row's LoRA delta from its own adapter slot (decode rows)",

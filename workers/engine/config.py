@@ -11,7 +11,7 @@ from radixserve.workers.distributed.device import DEVICES
 from radixserve.workers.distributed.parallel import ParallelConfig
 from radixserve.workers.mem_cache.radix_cache import EVICTION_POLICIES
 from radixserve.workers.models.attention import ATTENTION_BACKENDS
-from radixserve.workers.models.quant_weight import QUANTIZATIONS
+from radixserve.workers.models.quant_weight import ACTIVATIONS, QUANTIZATIONS
 from radixserve.workers.protocol import KV_TRANSFER_CHOICES, ROLES, Role
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
@@ -34,6 +34,9 @@ class EngineConfig:
     # GGUF model computed from its own blocks). AWQ / GPTQ / compressed-tensors checkpoints run from
     # their packed integers under auto and none.
     quantization: str = "auto"
+    # How quantized projections multiply decode rows: float (exact up to summation order) | int8
+    # (rows rounded to int8 per block of 32, integer products: faster, as llama.cpp computes).
+    quantized_activations: str = "float"
     device: str = "auto"  # one of DEVICES: auto = cuda where torch sees a GPU, else cpu
     context_length: int | None = None  # default: the model's
     mem_fraction_static: float | None = None  # share of memory for weights + KV pool
@@ -193,6 +196,10 @@ class EngineConfig:
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantized_activations not in ACTIVATIONS:
+            raise ValueError(
+                f"quantized_activations must be one of {ACTIVATIONS}, got {self.quantized_activations!r}"
+            )
         if self.quantization in ("none", "auto"):
             return
         if self.deterministic:

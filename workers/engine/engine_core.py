@@ -115,6 +115,7 @@ class EngineCore:
             device=self.device.type,
             lora=_lora_layout(config),
             quantization=quantization,
+            quantized_activations=config.quantized_activations,
         )
         try:
             loaded = load_model(
@@ -125,6 +126,7 @@ class EngineCore:
                 self.device,
                 deterministic=config.deterministic,
                 quantization=quantization,
+                quantized_activations=config.quantized_activations,
             )
             mc = loaded.config
             self.lora = _lora_manager(config, loaded.model, mc.dtype, self.device, self.tp)

@@ -74,6 +74,7 @@ class FollowerSpec:
     # each adapter in its own batch slots, filled as rank 0 orders (LoRASlotOrder).
     lora: tuple[int, int, int] | None = None
     quantization: str = "none"  # rank 0's: each rank quantizes (or cuts) its own slice
+    quantized_activations: str = "float"
 
 
 def follow(rank: int, spec: FollowerSpec) -> None:
@@ -143,7 +144,13 @@ def _load(
 ) -> tuple[Any, KVPool]:
     parallel = Parallel(ParallelConfig(spec.world_size, spec.ep_size), group)
     loaded = load_model(
-        spec.model_path, spec.dtype, spec.attention_backend, parallel, device, quantization=spec.quantization
+        spec.model_path,
+        spec.dtype,
+        spec.attention_backend,
+        parallel,
+        device,
+        quantization=spec.quantization,
+        quantized_activations=spec.quantized_activations,
     )
     layout = json.loads(store.get(POOL_KEY))  # waits: rank 0 publishes it once its own pool is sized
     mc = loaded.config

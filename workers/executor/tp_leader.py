@@ -97,6 +97,7 @@ class TPLeader:
         device: str = "cpu",
         lora: tuple[int, int, int] | None = None,
         quantization: str = "none",
+        quantized_activations: str = "float",
     ) -> TPLeader:
         """Check the model's layout over `config`, start ranks 1..N-1 and join them as rank 0.
         Raises ValueError for a layout the model does not have (before anything starts) and
@@ -140,6 +141,7 @@ class TPLeader:
             device=device,
             lora=lora,
             quantization=quantization,
+            quantized_activations=quantized_activations,
         )
         handles = launcher.start(follow, range(1, config.tp_size), spec)
         leader = cls(Parallel.single(), store, handles, threads)

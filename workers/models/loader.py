@@ -33,7 +33,12 @@ from radixserve.workers.models.linear import Linear, pack_batch_invariant
 from radixserve.workers.models.llama import LlamaForCausalLM
 from radixserve.workers.models.mixtral import MixtralForCausalLM
 from radixserve.workers.models.packed_checkpoints import PackedReader, checkpoint_method
-from radixserve.workers.models.quant_weight import check_quantization, quantize_int8_, quantize_modules_
+from radixserve.workers.models.quant_weight import (
+    check_quantization,
+    quantize_int8_,
+    quantize_modules_,
+    set_activations_,
+)
 from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 log = logging.getLogger(__name__)
@@ -294,6 +299,7 @@ def load_model(
     device: str | torch.device = "cpu",
     deterministic: bool = False,
     quantization: str = "none",
+    quantized_activations: str = "float",
 ) -> LoadedModel:
     """Load a local model onto `device`. `model_path` None = the embedded SmolLM2-135M-Instruct
     default.
@@ -309,7 +315,8 @@ def load_model(
     (workers/models/gguf_weights.py); "none" keeps the model dtype, or computes an AWQ / GPTQ /
     compressed-tensors checkpoint from its packed integers (workers/models/packed_checkpoints.py);
     "auto" (`resolve_quantization`) is "gguf" for a GGUF model on the CPU without a dtype asked for,
-    else "none".
+    else "none". `quantized_activations` "int8": the quantized projections multiply decode rows as
+    int8 (quant_weight.set_activations_); ValueError where no projection is quantized.
     """
     quantization = resolve_quantization(quantization, model_path, dtype, device, deterministic)
     source = gguf_source(model_path) if quantization == "gguf" else None
@@ -338,4 +345,6 @@ def load_model(
         apply_gguf_weights_(model, source, config.num_heads, config.num_kv_heads)
     else:
         model.pack_weights(packed_gemm_crossover(model))
+    if set_activations_(model, quantized_activations) == 0 and quantized_activations != "float":
+        raise ValueError("quantized_activations int8 multiplies quantized weights; this model has none")
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)

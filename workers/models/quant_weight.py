@@ -21,6 +21,7 @@ from radixserve.kernels.quant_ops import QuantTensor, cat_rows, quantize_int8
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+ACTIVATIONS = ("float", "int8")
 
 
 class QuantWeight(nn.Module):
@@ -44,6 +45,7 @@ class QuantWeight(nn.Module):
         for part in self.parts:
             self.bounds.append(self.bounds[-1] + part.n)
         self.out_features = self.bounds[-1]
+        self.int8_activations = False  # set_activations_: decode rows multiplied as int8
         self.bias_f32 = None if bias is None else bias.float().contiguous()
         # Registered so that parameters() counts (and state_dict shows) what the weight holds.
         for i, part in enumerate(self.parts):
@@ -57,11 +59,12 @@ class QuantWeight(nn.Module):
         return cls([quantize_int8(weight)], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        i8 = self.int8_activations
         if len(self.parts) == 1:
-            return self.parts[0].linear(x, self.bias_f32)
+            return self.parts[0].linear(x, self.bias_f32, int8_activations=i8)
         b = self.bias_f32
         outs = [
-            part.linear(x, None if b is None else b[lo:hi])
+            part.linear(x, None if b is None else b[lo:hi], int8_activations=i8)
             for part, lo, hi in zip(self.parts, self.bounds, self.bounds[1:])
         ]
         return torch.cat(outs, dim=-1)
@@ -192,3 +195,17 @@ def weight_nbytes(model: nn.Module) -> int:
         if isinstance(module, QuantWeight) or getattr(module, "quantized", None) is not None:
             tensors += list(module.buffers(recurse=False))
     return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
+
+
+def set_activations_(model: nn.Module, activations: str) -> int:
+    """How every quantized projection of `model` multiplies decode rows: "float" (exact up to
+    summation order) or "int8" (rows rounded to int8 per block of 32, integer products). Returns
+    how many projections it set."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, QuantWeight):
+            module.int8_activations = activations == "int8"
+            count += 1
+    return count
