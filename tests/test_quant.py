@@ -399,7 +399,7 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
         (8, 128, 128, True, False),
     ],
 )
-@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("rows", [1, 5, 17, 40])
 def test_int8_activations_multiply_the_rounded_rows_exactly(layout, rows):
     bits, k, group, offset, half = layout
     qt = random_quant(40, k, bits, group, offset, seed=rows + bits, half=half)
