@@ -40,8 +40,9 @@ from radixserve.kernels import cpu_ops
 # Rows from which dequantize + torch GEMM beats the fused kernel (load_tests/bench_quant.py
 # --crossover measures it; 2-core AVX2 host, SmolLM2-135M shapes, float32 activations).
 DEQUANT_ROWS = {4: 32, 8: 32}
-# Rows of x below which int8 activations take the integer kernel (csrc/quant_gemm.h kInt8Rows).
-INT8_ACTIVATION_ROWS = 32
+# Rows of x below which int8 activations take the integer kernel (csrc/quant_gemm.h kInt8Rows;
+# from there the float tile path is faster).
+INT8_ACTIVATION_ROWS = 4
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 _SCALE_DTYPES = (torch.float32, torch.float16)
 
