@@ -5,7 +5,11 @@
     # side by side, one run:  --base-url radixserve=http://127.0.0.1:30000 --base-url hf=http://127.0.0.1:8000
 
 Streams every request (SSE, `stream_options.include_usage`) to measure TTFT / ITL / TPOT / E2E,
-and reads prompt, completion and cached token counts from the server's `usage`.
+and reads prompt, completion and cached token counts from the server's `usage`. Each run also
+prints the machine's floor for the workload (load_tests/floor.py: the prompt tokens no cache can
+save at the measured GEMM rate, the decode steps at the measured memory bandwidth) and how many
+times it each server took; `--floor-model` names the served model's shape (default: the default
+model), `--no-floor` skips it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from load_tests import floor
 from load_tests.bench_datasets import Conversation, build
 
 
@@ -164,11 +169,46 @@ def summarize(results: list[Result], duration: float, model: str) -> dict[str, A
         "input_throughput": prompt / duration if duration else 0.0,
         "output_throughput": output / duration if duration else 0.0,
         "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "cached_tokens": cached,
         "ttft_ms": percentiles([r.ttft for r in ok]),
         "itl_ms": percentiles([x for r in ok for x in r.itl]),
         "tpot_ms": percentiles(tpot),
         "e2e_ms": percentiles([r.e2e for r in ok]),
+        # per request, in the order sent: prompt, cached and output tokens (for the floor)
+        "requests": [[r.prompt_tokens, r.cached_tokens, r.completion_tokens] for r in results],
     }
+
+
+def add_floor(reports: dict[str, dict[str, Any]], machine: floor.Machine, args) -> dict[str, float]:
+    """The workload's floor (the fewest prompt tokens any server computed, request by request) and
+    each server's duration as a multiple of it."""
+    runs = [rep["requests"] for rep in reports.values() if not rep["failed"]]
+    if not runs:
+        return {}
+    requests = [
+        {"prompt": max(r[i][0] for r in runs), "cached": max(r[i][1] for r in runs), "output": runs[0][i][2]}
+        for i in range(min(len(r) for r in runs))
+    ]
+    shape = floor.load_shape(args.floor_model)
+    f = floor.workload_floor(
+        machine, shape, requests, args.max_concurrency or len(requests), args.floor_bytes_per_weight
+    )
+    f |= {"gemm_gflops": machine.gemm_flops / 1e9, "gemm_dtype": machine.gemm_dtype}
+    f |= {"bandwidth_gb_s": machine.bandwidth / 1e9}
+    for rep in reports.values():
+        rep["x_floor"] = rep["duration_s"] / f["floor_s"] if f["floor_s"] else 0.0
+    return f
+
+
+def print_floor(f: dict[str, float], reports: dict[str, dict[str, Any]]) -> None:
+    print(
+        f"floor: {f['prompt_tokens_computed']} prompt tokens computed at {f['gemm_gflops']:.0f} GFLOP/s "
+        f"({f['gemm_dtype']}) = {f['prefill_s']:.2f} s; {f['decode_steps']} decode steps of batch "
+        f"{f['decode_batch']} x {f['decode_step_s'] * 1000:.1f} ms (weights at "
+        f"{f['bandwidth_gb_s']:.1f} GB/s, or their FLOPs) = {f['decode_s']:.2f} s; "
+        f"floor {f['floor_s']:.2f} s"
+    )
+    print("x floor: " + "  ".join(f"{n} {rep['x_floor']:.2f}x" for n, rep in reports.items()))
 
 
 def print_table(reports: dict[str, dict[str, Any]]) -> None:
@@ -233,22 +273,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-file", help="write the reports as JSON here")
+    p.add_argument(
+        "--floor-model", help="HF directory or GGUF of the served model (default: the default model)"
+    )
+    p.add_argument(
+        "--floor-bytes-per-weight",
+        type=float,
+        default=2.0,
+        help="bytes a decode step reads per weight (2: bf16)",
+    )
+    p.add_argument("--no-floor", action="store_true", help="skip the machine's floor")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parse_args(argv)
     convs = build(args)
+    machine = None if args.no_floor else floor.measure_machine()  # before the load, on an idle host
     reports = {}
     for i, spec in enumerate(args.base_url):
         name, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
         name = name or (f"server{i}" if len(args.base_url) > 1 else "server")
         reports[name] = asyncio.run(benchmark(url.rstrip("/"), convs, args))
     print_table(reports)
+    bound = add_floor(reports, machine, args) if machine else {}
+    if bound:
+        print_floor(bound, reports)
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump(
-                {"args": vars(args) | {"request_rate": str(args.request_rate)}, "reports": reports},
+                {
+                    "args": vars(args) | {"request_rate": str(args.request_rate)},
+                    "reports": reports,
+                    "floor": bound,
+                },
                 f,
                 indent=2,
             )

@@ -227,7 +227,9 @@ def test_cli_serves_queues_503_and_drains_on_sigterm(tmp_path):
             )
             (report,) = reports.values()
             assert (report["completed"], report["failed"], report["total_output_tokens"]) == (4, 0, 16)
-            assert json.loads((tmp_path / "bench.json").read_text())["reports"]["server"]["model"] == "smol"
+            saved = json.loads((tmp_path / "bench.json").read_text())
+            assert saved["reports"]["server"]["model"] == "smol"
+            assert saved["floor"]["floor_s"] > 0 and report["x_floor"] > 1
         asyncio.run(sigterm_under_load_scenario(proc, url))
     finally:
         if proc.poll() is None:
