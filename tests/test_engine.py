@@ -56,6 +56,16 @@ def test_greedy_matches_hf_alone_and_batched(engine, reference):
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in batched)
 
 
+def test_replica_stats_carry_the_engine_steps_by_part(engine):
+    before = engine.replica_stats()
+    engine.generate(input_ids=[1, 2, 3, 4], sampling_params=GREEDY)
+    after = engine.replica_stats()
+    # a prefill and then a decode step per further token, each timed by part
+    assert after.step_steps - before.step_steps >= GREEDY["max_new_tokens"]
+    assert after.step_forward_s > before.step_forward_s and after.step_sample_s > before.step_sample_s
+    assert after.step_schedule_s > before.step_schedule_s and after.step_text_s >= before.step_text_s
+
+
 def test_text_and_meta_info(engine):
     out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
     assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)

@@ -431,6 +431,8 @@ def test_metrics_render_replica_counters_and_request_histograms():
                 kv_protected=12,
                 prompt_tokens_total=40,
                 cached_tokens_total=25,
+                step_steps=7,
+                step_forward_s=0.5,
             ),
             ReplicaStats(replica_id="a", role="decode", kv_total=100, kv_free=100),
         ]
@@ -453,6 +455,10 @@ def test_metrics_render_replica_counters_and_request_histograms():
     assert 'radixserve:e2e_request_latency_seconds_count{model_name="m"} 1.0' in text
     assert 'radixserve:queue_time_seconds_count{model_name="m"} 1.0' in text
     assert "# TYPE radixserve:num_aborted_requests_total counter" in text
+    assert 'radixserve:engine_steps_total{model_name="m",replica="b",role="unified"} 7.0' in text
+    assert (
+        'radixserve:engine_step_forward_seconds_total{model_name="m",replica="b",role="unified"} 0.5' in text
+    )
 
 
 # One builder for SGLang's /generate result -----------------------------------------------------------

@@ -740,6 +740,13 @@ class ReplicaStats:
     tier_host_load_seconds: float = 0.0
     tier_disk_load_seconds: float = 0.0
     tier_disk_load_failures: int = 0
+    # Engine steps (engine/step_stats.py): how many forwards ran, and the engine thread's seconds
+    # in each part of a step: scheduling and tensor building, the forward, sampling, text work.
+    step_steps: int = 0
+    step_schedule_s: float = 0.0
+    step_forward_s: float = 0.0
+    step_sample_s: float = 0.0
+    step_text_s: float = 0.0
     # LoRA: the adapters this replica serves by name ({name: path}), and those in its memory
     # (which the router's adapter affinity prefers: no read of the adapter first).
     lora_adapters: dict[str, str] = field(default_factory=dict)

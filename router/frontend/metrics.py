@@ -99,6 +99,11 @@ COUNTERS = (
         "tier_disk_load_failures",
         "Tiers: disk files that failed their check (recomputed)",
     ),
+    ("engine_steps", "step_steps", "Engine steps (forwards) run"),
+    ("engine_step_schedule_seconds", "step_schedule_s", "Engine thread: scheduling and building tensors"),
+    ("engine_step_forward_seconds", "step_forward_s", "Engine thread: the model's forwards"),
+    ("engine_step_sample_seconds", "step_sample_s", "Engine thread: sampling"),
+    ("engine_step_text_seconds", "step_text_s", "Engine thread: detokenizing and building chunks"),
 )
 
 
