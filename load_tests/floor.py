@@ -15,13 +15,11 @@ batch full), which is what makes "x times the floor" a fair yardstick across ser
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -61,27 +59,24 @@ class ModelShape:
         return 4.0 * self.layers * self.heads * self.head_dim * positions
 
 
-def model_shape(config: dict[str, Any]) -> ModelShape:
-    heads = config["num_attention_heads"]
-    return ModelShape(
-        layers=config["num_hidden_layers"],
-        hidden=config["hidden_size"],
-        heads=heads,
-        kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        intermediate=config["intermediate_size"],
-        vocab=config["vocab_size"],
-    )
-
-
 def load_shape(model: str | None) -> ModelShape:
-    """An HF directory's config.json, or (None / a GGUF file) the config RadixServe's loader reads."""
-    if model and Path(model, "config.json").is_file():
-        return model_shape(json.loads(Path(model, "config.json").read_text()))
-    from radixserve.workers.models.loader import resolve_model_dir
+    """The served model's shape, read as RadixServe's loader reads it: an HF directory, a GGUF
+    file, or None for the default model."""
+    import torch
 
-    model_dir, _name = resolve_model_dir(model)
-    return model_shape(json.loads((model_dir / "config.json").read_text()))
+    from radixserve.workers.models.loader import read_config, resolve_model_dir
+
+    model_dir = Path(model) if model and Path(model, "config.json").is_file() else resolve_model_dir(model)[0]
+    c = read_config(model_dir, torch.float32)
+    return ModelShape(
+        layers=c.num_layers,
+        hidden=c.hidden_size,
+        heads=c.num_heads,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        intermediate=c.intermediate_size,
+        vocab=c.vocab_size,
+    )
 
 
 def measure_machine(seconds: float = 1.0) -> Machine:
