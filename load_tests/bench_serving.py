@@ -122,7 +122,9 @@ async def run_conversation(conv: Conversation, go, session, url, model, extra) -
 async def benchmark(url: str, convs: list[Conversation], args) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout)
-    connector = aiohttp.TCPConnector(limit=0)
+    # A connection per request: a server that closes idle keep-alive connections (llama-server
+    # does) otherwise fails the next request written into a socket it already closed.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as s:
         model = args.model or (await (await s.get(url + "/v1/models")).json())["data"][0]["id"]
         sem = asyncio.Semaphore(args.max_concurrency or 10**9)
