@@ -196,7 +196,8 @@ def add_floor(reports: dict[str, dict[str, Any]], machine: floor.Machine, args) 
         machine, shape, requests, args.max_concurrency or len(requests), args.floor_bytes_per_weight
     )
     f |= {"gemm_gflops": machine.gemm_flops / 1e9, "gemm_dtype": machine.gemm_dtype}
-    f |= {"bandwidth_gb_s": machine.bandwidth / 1e9}
+    f |= {"bandwidth_gb_s": machine.bandwidth / 1e9, "model": args.floor_model or "the default model"}
+    f |= {"weights": shape.decoder_weights + shape.head_weights}
     for rep in reports.values():
         rep["x_floor"] = rep["duration_s"] / f["floor_s"] if f["floor_s"] else 0.0
     return f
@@ -204,7 +205,8 @@ def add_floor(reports: dict[str, dict[str, Any]], machine: floor.Machine, args) 
 
 def print_floor(f: dict[str, float], reports: dict[str, dict[str, Any]]) -> None:
     print(
-        f"floor: {f['prompt_tokens_computed']} prompt tokens computed at {f['gemm_gflops']:.0f} GFLOP/s "
+        f"floor of {f['model']} ({f['weights'] / 1e6:.0f}M weights; --floor-model for another): "
+        f"{f['prompt_tokens_computed']} prompt tokens computed at {f['gemm_gflops']:.0f} GFLOP/s "
         f"({f['gemm_dtype']}) = {f['prefill_s']:.2f} s; {f['decode_steps']} decode steps of batch "
         f"{f['decode_batch']} x {f['decode_step_s'] * 1000:.1f} ms (weights at "
         f"{f['bandwidth_gb_s']:.1f} GB/s, or their FLOPs) = {f['decode_s']:.2f} s; "

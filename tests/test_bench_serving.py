@@ -91,7 +91,7 @@ def test_the_floor_is_the_prompt_flops_at_the_gemm_rate_plus_the_decode_steps_at
     assert g["decode_step_s"] > 2 * 2 * 1232 / 1e6
 
 
-def test_the_floor_takes_the_best_reuse_any_server_reached(monkeypatch):
+def test_the_floor_takes_the_best_reuse_any_server_reached(monkeypatch, capsys):
     from load_tests import floor
 
     shape = floor.ModelShape(layers=1, hidden=4, heads=1, kv_heads=1, head_dim=4, intermediate=4, vocab=4)
@@ -105,3 +105,7 @@ def test_the_floor_takes_the_best_reuse_any_server_reached(monkeypatch):
     assert f["prompt_tokens_computed"] == 2 + 4
     assert reports["b"]["x_floor"] == pytest.approx(2 * reports["a"]["x_floor"])
     assert reports["a"]["x_floor"] == pytest.approx(2.0 / f["floor_s"])
+    bench_serving.print_floor(f, reports)
+    out = capsys.readouterr().out
+    assert out.startswith("floor of the default model (0M weights; --floor-model for another): 6 prompt")
+    assert "x floor: a " in out and "b " in out
