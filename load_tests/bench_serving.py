@@ -182,22 +182,21 @@ def summarize(results: list[Result], duration: float, model: str) -> dict[str, A
 
 
 def add_floor(reports: dict[str, dict[str, Any]], machine: floor.Machine, args) -> dict[str, float]:
-    """The workload's floor (the fewest prompt tokens any server computed, request by request) and
-    each server's duration as a multiple of it."""
+    """The workload's floor, on the requests of the server that reused the most (which request
+    finds a prefix cached depends on the order of arrival, so one server's requests are taken
+    whole), and each server's duration as a multiple of it."""
     runs = [rep["requests"] for rep in reports.values() if not rep["failed"]]
     if not runs:
         return {}
-    requests = [
-        {"prompt": max(r[i][0] for r in runs), "cached": max(r[i][1] for r in runs), "output": runs[0][i][2]}
-        for i in range(min(len(r) for r in runs))
-    ]
+    best = max(runs, key=lambda run: sum(cached for _, cached, _ in run))
+    requests = [{"prompt": p, "cached": c, "output": o} for p, c, o in best]
     shape = floor.load_shape(args.floor_model)
     f = floor.workload_floor(
         machine, shape, requests, args.max_concurrency or len(requests), args.floor_bytes_per_weight
     )
     f |= {"gemm_gflops": machine.gemm_flops / 1e9, "gemm_dtype": machine.gemm_dtype}
     f |= {"bandwidth_gb_s": machine.bandwidth / 1e9, "model": args.floor_model or "the default model"}
-    f |= {"weights": shape.decoder_weights + shape.head_weights}
+    f |= {"weights": shape.params}
     for rep in reports.values():
         rep["x_floor"] = rep["duration_s"] / f["floor_s"] if f["floor_s"] else 0.0
     return f
@@ -284,7 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--floor-bytes-per-weight",
         type=float,
         default=2.0,
-        help="bytes a decode step reads per weight (2: bf16)",
+        help="bytes a decode step reads per weight and per KV element (2: bf16)",
     )
     p.add_argument("--no-floor", action="store_true", help="skip the machine's floor")
     return p.parse_args(argv)

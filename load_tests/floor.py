@@ -4,12 +4,15 @@ Two measured rates bound every server: the GEMM rate (the best of float32 and bf
 on all cores) for the prompt tokens that must be computed, and the memory bandwidth for the
 weights each decode step reads. The floor of a run is
 
-    prompt:  (tokens computed) x 2 x (decoder weights) + attention, at the GEMM rate
-    decode:  per step, the larger of (weight bytes / bandwidth) and (its FLOPs / GEMM rate),
-             for (output tokens / batch) steps at the workload's concurrency
+    prompt:  each request's uncached tokens over its cached prefix (projections, causal
+             attention, the LM head of the last), at the GEMM rate
+    decode:  per step, the larger of (its bytes: the weights and the batch's KV / bandwidth) and
+             (its FLOPs / GEMM rate), for (output tokens / batch) steps at the workload's
+             concurrency
 
-where "tokens computed" is the prompt tokens that no cache can save: the total less the most any
-server measured reported as cached. It is a lower bound (perfect overlap, no bookkeeping, every
+where the uncached tokens are those that no cache can save: each request's prompt less what the
+server that reused the most reported cached for it (the counts are load_tests/gpu_model.py's `Shape`, as
+the GPU benchmark's). It is a lower bound (perfect overlap, no bookkeeping, every
 batch full), which is what makes "x times the floor" a fair yardstick across servers.
 """
 
@@ -21,6 +24,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from load_tests.gpu_model import Shape
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -29,59 +36,21 @@ class Machine:
     bandwidth: float  # bytes/s read from memory
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    @property
-    def layer_weights(self) -> int:
-        """Weights of one decoder layer's projections (q, k, v, o, gate, up, down)."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        return h * self.heads * self.head_dim * 2 + 2 * h * kv + 3 * h * self.intermediate
-
-    @property
-    def decoder_weights(self) -> int:
-        return self.layers * self.layer_weights
-
-    @property
-    def head_weights(self) -> int:
-        return self.vocab * self.hidden
-
-    def attention_flops(self, start: int, end: int) -> float:
-        """Scores and the weighted sum for positions start..end-1, each over its whole prefix."""
-        positions = (start + end + 1) * (end - start) / 2  # sum of context lengths
-        return 4.0 * self.layers * self.heads * self.head_dim * positions
-
-
-def load_shape(model: str | None) -> ModelShape:
+def load_shape(model: str | None) -> Shape:
     """The served model's shape, read as RadixServe's loader reads it: an HF directory, a GGUF
     file, or None for the default model."""
-    import torch
-
     from radixserve.workers.models.loader import read_config, resolve_model_dir
 
     model_dir = Path(model) if model and Path(model, "config.json").is_file() else resolve_model_dir(model)[0]
     c = read_config(model_dir, torch.float32)
-    return ModelShape(
-        layers=c.num_layers,
-        hidden=c.hidden_size,
-        heads=c.num_heads,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        intermediate=c.intermediate_size,
-        vocab=c.vocab_size,
-    )
+    if c.head_dim * c.num_heads != c.hidden_size:
+        raise ValueError(
+            f"the floor assumes head_dim x heads = hidden; {model_dir} has {c.head_dim} x {c.num_heads}"
+        )
+    return Shape(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size)
 
 
 def measure_machine(seconds: float = 1.0) -> Machine:
-    import torch
-
     torch.set_num_threads(os.cpu_count() or 1)
     best, best_dtype = 0.0, ""
     for dtype in (torch.float32, torch.bfloat16):
@@ -109,7 +78,7 @@ def _timed(fn, seconds: float) -> float:
 
 def workload_floor(
     machine: Machine,
-    shape: ModelShape,
+    shape: Shape,
     requests: list[dict[str, int]],
     concurrency: int,
     bytes_per_weight: float,
@@ -117,16 +86,14 @@ def workload_floor(
     """`requests`: each one's prompt tokens, cached tokens (the fewest any server computed) and
     output tokens. Returns the floor's parts in seconds and the quantities behind them."""
     computed = sum(r["prompt"] - r["cached"] for r in requests)
-    prompt_flops = computed * 2.0 * shape.decoder_weights + len(requests) * 2.0 * shape.head_weights
-    prompt_flops += sum(shape.attention_flops(r["cached"], r["prompt"]) for r in requests)
+    prompt_flops = sum(shape.prefill_flops(1, r["prompt"] - r["cached"], r["cached"]) for r in requests)
     prefill_s = prompt_flops / machine.gemm_flops
     batch = max(1, min(concurrency, len(requests)))
-    outputs = sum(r["output"] for r in requests)
-    steps = math.ceil(outputs / batch)
-    mean_ctx = sum(r["prompt"] + r["output"] / 2 for r in requests) / max(len(requests), 1)
-    weights = shape.decoder_weights + shape.head_weights
-    step_flops = batch * (2.0 * weights + 4.0 * shape.layers * shape.heads * shape.head_dim * mean_ctx)
-    step_s = max(weights * bytes_per_weight / machine.bandwidth, step_flops / machine.gemm_flops)
+    steps = math.ceil(sum(r["output"] for r in requests) / batch)
+    # a decode step is one new token per sequence over its context (the mean one, mid-output)
+    context = round(sum(r["prompt"] + r["output"] / 2 for r in requests) / max(len(requests), 1))
+    step_bytes = shape.decode_bytes(batch, context, elem=bytes_per_weight)
+    step_s = max(step_bytes / machine.bandwidth, shape.prefill_flops(batch, 1, context) / machine.gemm_flops)
     return {
         "prompt_tokens_computed": computed,
         "prefill_s": prefill_s,

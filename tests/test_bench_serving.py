@@ -69,32 +69,33 @@ def test_sse_lines():
 
 def test_the_floor_is_the_prompt_flops_at_the_gemm_rate_plus_the_decode_steps_at_the_bandwidth():
     from load_tests import floor
+    from load_tests.gpu_model import Shape
 
-    shape = floor.ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
-    # q and o: 8x8 each; k and v: 8x4 each; gate, up, down: 8x16 each
-    assert shape.layer_weights == 64 + 64 + 32 + 32 + 3 * 128 and shape.decoder_weights == 2 * 576
-    assert shape.attention_flops(0, 3) == 4 * 2 * 2 * 4 * (1 + 2 + 3)
+    shape = Shape(layers=2, hidden=8, heads=2, kv_heads=1, intermediate=16, vocab=10)
     machine = floor.Machine(gemm_flops=1e9, gemm_dtype="float32", bandwidth=1e6)
     requests = [{"prompt": 10, "cached": 4, "output": 5}, {"prompt": 10, "cached": 0, "output": 5}]
-    f = floor.workload_floor(machine, shape, requests, concurrency=2, bytes_per_weight=2.0)
+    f = floor.workload_floor(machine, shape, requests, concurrency=2, bytes_per_weight=2)
     assert f["prompt_tokens_computed"] == 16
-    prompt_flops = 16 * 2 * 1152 + 2 * 2 * 80 + shape.attention_flops(4, 10) + shape.attention_flops(0, 10)
+    # each request's own new tokens over its own cached prefix
+    prompt_flops = shape.prefill_flops(1, 6, 4) + shape.prefill_flops(1, 10, 0)
+    assert prompt_flops < shape.prefill_flops(2, 10, 0)
     assert f["prefill_s"] == pytest.approx(prompt_flops / 1e9)
-    # 10 output tokens at batch 2 = 5 steps; each reads (1152 + 80) weights x 2 bytes at 1 MB/s,
-    # which is slower than its FLOPs at 1 GFLOP/s
+    # 10 output tokens at batch 2 = 5 steps over a mean context of 12.5 -> 12 tokens; each moves its
+    # bytes at 1 MB/s, which is slower than its FLOPs at 1 GFLOP/s
     assert (f["decode_steps"], f["decode_batch"]) == (5, 2)
-    assert f["decode_step_s"] == pytest.approx(1232 * 2 / 1e6)
+    assert f["decode_step_s"] == pytest.approx(shape.decode_bytes(2, 12, 2) / 1e6)
     assert f["floor_s"] == pytest.approx(f["prefill_s"] + 5 * f["decode_step_s"])
     # compute-bound steps: the FLOPs bound wins
     fast_memory = floor.Machine(gemm_flops=1e6, gemm_dtype="float32", bandwidth=1e12)
-    g = floor.workload_floor(fast_memory, shape, requests, concurrency=2, bytes_per_weight=2.0)
-    assert g["decode_step_s"] > 2 * 2 * 1232 / 1e6
+    g = floor.workload_floor(fast_memory, shape, requests, concurrency=2, bytes_per_weight=2)
+    assert g["decode_step_s"] == pytest.approx(shape.prefill_flops(2, 1, 12) / 1e6)
 
 
 def test_the_floor_takes_the_best_reuse_any_server_reached(monkeypatch, capsys):
     from load_tests import floor
+    from load_tests.gpu_model import Shape
 
-    shape = floor.ModelShape(layers=1, hidden=4, heads=1, kv_heads=1, head_dim=4, intermediate=4, vocab=4)
+    shape = Shape(layers=1, hidden=4, heads=1, kv_heads=1, intermediate=4, vocab=4)
     monkeypatch.setattr(floor, "load_shape", lambda model: shape)
     reports = {
         "a": {"failed": 0, "duration_s": 2.0, "requests": [[10, 8, 3], [10, 0, 3]]},
@@ -102,10 +103,11 @@ def test_the_floor_takes_the_best_reuse_any_server_reached(monkeypatch, capsys):
     }
     args = bench_serving.parse_args(["--base-url", "x", "--max-concurrency", "2"])
     f = bench_serving.add_floor(reports, floor.Machine(1e3, "float32", 1e3), args)
-    assert f["prompt_tokens_computed"] == 2 + 4
+    # a's requests whole (it cached more in all): per-request maxima would claim reuse no server had
+    assert f["prompt_tokens_computed"] == 2 + 10
     assert reports["b"]["x_floor"] == pytest.approx(2 * reports["a"]["x_floor"])
     assert reports["a"]["x_floor"] == pytest.approx(2.0 / f["floor_s"])
     bench_serving.print_floor(f, reports)
     out = capsys.readouterr().out
-    assert out.startswith("floor of the default model (0M weights; --floor-model for another): 6 prompt")
+    assert out.startswith("floor of the default model (0M weights; --floor-model for another): 12 prompt")
     assert "x floor: a " in out and "b " in out
