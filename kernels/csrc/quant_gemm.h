@@ -101,6 +101,26 @@ inline void dequant_row(const QuantView& w, int64_t j, float* out, float* sc, fl
     }
     return;
   }
+#if defined(__AVX2__)
+  // Written out: the compiler's vectorization of the loop below ran at half this speed (all of a
+  // 3072 x 576 4-bit weight on 2 AVX2 cores: 230 vs 110 us), which cost quant_linear 5-18% at
+  // 2-16 rows of x (the tile path) and the prefill path's dequantization twice its time.
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < w.k / 32; ++b) {
+    const int64_t g = b * 32 / w.group;
+    const __m256 s = _mm256_set1_ps(sc[g]), o = _mm256_set1_ps(of ? of[g] : 0.0f);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b * 16));
+    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    float* dst = out + b * 32;
+    const auto put = [&](float* at, __m128i bytes) {
+      _mm256_storeu_ps(at, _mm256_add_ps(_mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))), o));
+    };
+    put(dst, lo);
+    put(dst + 8, _mm_srli_si128(lo, 8));
+    put(dst + 16, hi);
+    put(dst + 24, _mm_srli_si128(hi, 8));
+  }
+#else
   for (int64_t b = 0; b < w.k / 32; ++b) {
     const int64_t g = b * 32 / w.group;
     const float s = sc[g], o = of ? of[g] : 0.0f;
@@ -112,6 +132,7 @@ inline void dequant_row(const QuantView& w, int64_t j, float* out, float* sc, fl
       dst[t + 16] = s * static_cast<float>(src[t] >> 4) + o;
     }
   }
+#endif
 }
 
 #if defined(__AVX2__)
