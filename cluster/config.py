@@ -45,9 +45,6 @@ class DeploymentConfig:
     replica_memory_gb: float | None = None
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.0  # the ingress is I/O bound; it must not starve the engines
-    # The nice value of the processes beside the engines on a node: the ingress, Serve's proxy
-    # and controller (router/frontend/cpu_priority.py). 0: left at the engines' priority.
-    service_nice: int = 10
     # Serve's cap on one replica's requests in flight, ingress and engine replicas alike. The
     # engine, not Serve, is the queue (max_queued_requests answers 503): this cap must not bind first.
     max_ongoing_requests: int = 4096
@@ -105,8 +102,6 @@ class DeploymentConfig:
             raise ValueError(f"pd_reserve_wait_s must be in [0, {MAX_RESERVE_WAIT_S:g}]")
         if self.ingress_replicas < 1:
             raise ValueError("ingress_replicas must be >= 1")
-        if not 0 <= self.service_nice <= 19:
-            raise ValueError(f"service_nice must be in 0..19, got {self.service_nice}")
         if self.max_ongoing_requests < 1:
             raise ValueError("max_ongoing_requests must be >= 1")
         if (self.replica_num_cpus is not None and self.replica_num_cpus < 0) or self.ingress_num_cpus < 0:
@@ -337,7 +332,6 @@ class ServerArgs:
             pd_lease_renew_s=self.engine.kv_transfer_timeout_s / 3,
             lora_enabled=self.engine.lora_enabled,
             lora_adapters=tuple(self.engine.lora_adapters.items()),
-            service_nice=self.deployment.service_nice,
         )
 
     @property
@@ -417,8 +411,6 @@ HELP = {
     "running + queued limits)",
     "replica_num_cpus": "Ray CPUs per engine replica (per rank with --tp), also its torch threads "
     "(default: the smallest node's CPUs split among the replicas' ranks it must hold)",
-    "service_nice": "nice value (0-19) of the ingress and Serve's proxy and controller on each node, "
-    "so that they never preempt an engine's forward (0: the engines' priority)",
     "replica_memory_gb": "memory per engine replica: reserved from Ray, and on CPU the most the "
     "replica may grow past its start-up size before its allocations fail (default: no reservation, "
     "half the node's RAM)",

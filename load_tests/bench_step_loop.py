@@ -10,12 +10,6 @@ forward and sampling are reported beside them for scale.
     python -m load_tests.bench_step_loop                      # batch 8 and 64, ~2 minutes
     python -m load_tests.bench_step_loop --batch 8 64 --repeats 5 --json results/step_loop.json
 
-`--contend DUTY` runs the same beside two processes that each keep a core busy for DUTY of every
-10 ms (as a server's proxy, ingress and load generator do), at nice `--contend-nice`: what other
-processes' priority does to a forward whose threads meet at barriers (router/frontend/cpu_priority.py).
-
-    python -m load_tests.bench_step_loop --batch 8 --prompt-tokens 250 --contend 0.2 --contend-nice 0
-
 To compare two checkouts side by side, run this module from each in turn (alternating), each
 with its own package on PYTHONPATH; the figures of one run only are comparable.
 """
@@ -25,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from typing import Any
 
@@ -47,23 +40,6 @@ def step_times(engine: Any, batch: int) -> dict[str, float]:
     }
 
 
-# A busy loop for DUTY of every 10 ms at nice NICE (argv 1 and 2), until killed.
-_CONTENDER = """
-import os, sys, time
-duty, nice = float(sys.argv[1]), int(sys.argv[2])
-os.nice(nice)
-while True:
-    t = time.perf_counter()
-    while time.perf_counter() - t < duty * 0.01:
-        pass
-    time.sleep(0.01 * (1 - duty))
-"""
-
-
-def start_contenders(duty: float, nice: int, count: int = 2) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", _CONTENDER, str(duty), str(nice)]) for _ in range(count)]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
@@ -72,17 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--contend", type=float, default=0.0, help="contenders' busy share of each 10 ms")
-    ap.add_argument("--contend-nice", type=int, default=0)
     args = ap.parse_args(argv)
-    if not 0 <= args.contend < 1:
-        ap.error("--contend is a share in [0, 1)")
 
     from radixserve.workers import Engine
 
     engine = Engine(args.model_path, max_running_requests=max(args.batch), enable_overlap=False)
     results: dict[str, Any] = {}
-    contenders = start_contenders(args.contend, args.contend_nice) if args.contend else []
     try:
         for batch in args.batch:
             prompts = random_workload(engine.tokenizer, batch, args.prompt_tokens, seed=batch)
@@ -103,9 +74,6 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     finally:
-        for proc in contenders:
-            proc.kill()
-            proc.wait()
         engine.shutdown()
     if args.json:
         with open(args.json, "w") as f:

@@ -98,8 +98,6 @@ class IngressConfig:
     # LoRA: whether the replicas serve adapters, and those they serve from the start (name, path).
     lora_enabled: bool = False
     lora_adapters: tuple[tuple[str, str], ...] = ()
-    # Nice value of this process and Serve's proxy and controller on its node (cpu_priority.py).
-    service_nice: int = 0
 
     def server_info(self) -> dict[str, Any]:
         """The flat server arguments with the key settings masked."""

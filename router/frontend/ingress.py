@@ -26,7 +26,6 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from radixserve.router.frontend.config import IngressConfig
-from radixserve.router.frontend.cpu_priority import lower_service_priority
 from radixserve.router.frontend.metrics import Metrics, RequestTimer
 from radixserve.router.frontend.pd_stream import PDStream
 from radixserve.router.frontend.replica_call import ReplicaCall
@@ -72,7 +71,6 @@ class Ingress:
         self.config = config
         self.http = config.http
         logging.getLogger("radixserve").setLevel(config.http.log_level.upper())
-        await asyncio.to_thread(lower_service_priority, config.service_nice)
         card = await self.replicas.model_card.remote()
         self.card = ModelCard.from_dict(card)
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.card)
