@@ -32,7 +32,13 @@ GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlap"])
 def engine(request):
-    e = Engine(dtype="float32", max_total_tokens=4096, chunked_prefill_size=64, enable_overlap=request.param)
+    e = Engine(
+        dtype="float32",
+        max_total_tokens=4096,
+        chunked_prefill_size=64,
+        enable_overlap=request.param,
+        stream_interval_ms=0,  # a chunk per token: the tests count what came before a failure
+    )
     yield e
     e.shutdown()
 

@@ -94,6 +94,11 @@ class EngineConfig:
     # still running after this long is logged with the request(s) it serves (engine/watchdog.py).
     step_watchdog_s: float = 10.0
     stream_interval: int = 1  # stream every N tokens
+    # A streaming sequence's next chunk leaves at least this long after its previous one (its
+    # first and final chunks at once); the tokens of the steps in between go together. Each chunk
+    # costs every hop on its way to the client (replica, ingress, HTTP proxy) the same CPU whatever
+    # it carries, on the cores the forward runs on. 0 = every chunk as soon as it is due.
+    stream_interval_ms: float = 50.0
     # PD disaggregation. The role is set per deployment by the application builder, never by
     # the user; a prefill or decode engine moves KV over `kv_transfer` (auto: nccl on CUDA pools,
     # gloo on CPU; or ray, the object store), and each side frees a transfer's slots when it has
@@ -142,6 +147,8 @@ class EngineConfig:
             raise ValueError("max_queued_requests must be >= 1 (unset for no limit)")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        if not self.stream_interval_ms >= 0:
+            raise ValueError("stream_interval_ms must be >= 0")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         object.__setattr__(self, "role", Role(self.role))  # a str from YAML or the CLI becomes the enum

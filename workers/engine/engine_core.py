@@ -178,6 +178,7 @@ class EngineCore:
             self.context_length,
             config.stream_interval,
             config.enable_jump_forward,
+            config.stream_interval_ms / 1000.0,
         )
         self.overlap = config.overlap(self.device.type)
         self.worker = ForwardWorker(self.runner, self.sampler, threaded=self.overlap)

@@ -59,11 +59,13 @@ class OutputProcessor:
         context_length: int,
         stream_interval: int = 1,
         jump_forward: bool = True,
+        stream_interval_s: float = 0.0,
     ):
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self.context_length = context_length
         self.stream_interval = stream_interval
+        self.stream_interval_s = stream_interval_s
         self.jump_forward = jump_forward
         self.pending: dict[str, PendingOutput] = {}
         self.counters = dict(generation_tokens_total=0, jump_forward_tokens_total=0, dropped_tokens_total=0)
@@ -160,9 +162,10 @@ class OutputProcessor:
         return False
 
     def take_chunk(self, req: Req) -> OutputChunk | None:
-        """The chunk to send now, if any: streaming sends every `stream_interval` tokens, the final
-        chunk always goes, and a non-streaming request gets one chunk at the end. Detokenizes what
-        is still undecoded first."""
+        """The chunk to send now, if any: streaming sends every `stream_interval` tokens but no
+        sooner than `stream_interval_s` after the sequence's previous chunk (its first chunk goes
+        at once), the final chunk always goes, and a non-streaming request gets one chunk at the
+        end. Detokenizes what is still undecoded first."""
         self.detokenize(req)
         out = self.pending.get(req.key)
         final = req.finish_reason is not None
@@ -173,7 +176,7 @@ class OutputProcessor:
             if req.detokenizer is not None and req.kv_ticket is None:
                 out.text += req.detokenizer.flush()
                 _stopped_at_flush(req)
-        elif out is None or len(out.token_ids) < self.stream_interval:
+        elif out is None or len(out.token_ids) < self.stream_interval or not self._chunk_due(req):
             return None
         else:
             del self.pending[req.key]
@@ -194,6 +197,14 @@ class OutputProcessor:
             chunk.cached_tokens = req.cached_tokens or 0
             chunk.e2e_latency = time.monotonic() - req.arrival
         return chunk
+
+    def _chunk_due(self, req: Req) -> bool:
+        """Whether a streaming chunk of `req` may leave now (and if so, its time is recorded)."""
+        now = time.monotonic()
+        if req.last_chunk_at is not None and now - req.last_chunk_at < self.stream_interval_s:
+            return False
+        req.last_chunk_at = now
+        return True
 
     def mark_sent(self, req: Req) -> None:
         """What the sequence produced so far went out from another replica (PD: the prefill

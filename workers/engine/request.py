@@ -63,6 +63,7 @@ class Req:
         self.arrival = arrival if arrival is not None else time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None  # when the engine last appended a token (TokenLatency)
+        self.last_chunk_at: float | None = None  # when its last streaming chunk was taken
         # Per-sequence helpers attached by the engine (generator, detokenizer, grammar).
         self.generator: Any = None
         self.detokenizer: Any = None
