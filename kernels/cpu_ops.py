@@ -142,6 +142,30 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         rotary_torch_(x, cos, sin)
 
 
+def store_kv_(
+    k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    """k_buf[slots] = k and v_buf[slots] = v for k, v [T, heads, D] (heads adjacent: views of a
+    fused qkv output), in one call; False, untouched, where the extension cannot (the caller then
+    copies with torch)."""
+    if not (
+        _usable(k, v, k_buf, v_buf)
+        and k.dtype == v.dtype == k_buf.dtype == v_buf.dtype
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and k.dim() == 3
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+        and k.stride(1) == k.shape[2]
+        and v.stride(1) == v.shape[2]
+        and k_buf.is_contiguous()
+        and v_buf.is_contiguous()
+    ):
+        return False
+    native_ops().store_kv_(k, v, k_buf, v_buf, slots)
+    return True
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
     if _usable(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous():
@@ -204,12 +228,28 @@ def extend_attention_native(
     kv_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     cu_extend: torch.Tensor,
+    bf16_products: bool = False,
 ) -> torch.Tensor | None:
     """Causal prefill attention for a whole batch over the pool (new K/V already stored), or None
-    where the extension cannot run it (the caller then uses SDPA per sequence)."""
+    where the extension cannot run it (the caller then uses SDPA per sequence).
+
+    bf16_products: for bfloat16 tensors where the CPU has AVX512-BF16, the q.k and p.v products
+    in bf16 dot-product instructions (float32 softmax and sums; the softmax weights rounded to
+    bf16), about twice as fast; otherwise float32 math throughout, the batch-invariant arithmetic
+    that decode_attention's fixed_order reproduces."""
     if not (_usable(q, k_buf, v_buf) and q.dtype == k_buf.dtype == v_buf.dtype and q.stride(-1) == 1):
         return None
-    return native_ops().extend_attention(
+    ops = native_ops()
+    if (
+        bf16_products
+        and q.dtype == torch.bfloat16
+        and q.shape[-1] in (64, 128)
+        and ops.extend_bf16_available()
+    ):
+        kernel = ops.extend_attention_bf16
+    else:
+        kernel = ops.extend_attention
+    return kernel(
         q,
         k_buf,
         v_buf,

@@ -89,6 +89,26 @@ def test_silu_mul(dtype, rows):
     _close(native.silu_mul(x), cpu_ops.silu_mul_torch(x), dtype)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 700])
+def test_store_kv_writes_the_rows_index_copy_writes(dtype, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 9 + 3 + 3, 64, generator=gen).to(dtype)  # the fused output's view
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.randperm(2000, generator=gen)[:tokens] + 1
+    ours = [torch.zeros(2001, 3, 64, dtype=dtype) for _ in range(2)]
+    ref = [t.clone() for t in ours]
+    assert cpu_ops.store_kv_(k, v, ours[0], ours[1], slots)
+    ref[0].index_copy_(0, slots, k)
+    ref[1].index_copy_(0, slots, v)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    # A slot past the pool is refused before anything is written; so is a non-adjacent head layout.
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        native.store_kv_(k, v, ours[0], ours[1], torch.full_like(slots, 2001))
+    assert not cpu_ops.store_kv_(qkv[:, 9:15:2], v, ours[0], ours[1], slots)
+
+
 def _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens):
     group = q.shape[1] // k_buf.shape[1]
     out = torch.empty(q.shape, dtype=torch.float32)
@@ -121,6 +141,52 @@ def test_decode_attention(dtype, head_dim, heads, kv_heads, impl):
     torch.testing.assert_close(
         ours.float(), _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens), atol=tol, rtol=tol
     )
+
+
+def _reference_extend(q, k_buf, v_buf, kv_indices, seq_lens, cu):
+    """Causal attention of each sequence's new tokens over its slots, float32."""
+    group = q.shape[1] // k_buf.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b, n in enumerate(seq_lens.tolist()):
+        lo, hi = cu[b].item(), cu[b + 1].item()
+        slots = kv_indices[b, :n]
+        keys = k_buf[slots].float().repeat_interleave(group, 1)
+        values = v_buf[slots].float().repeat_interleave(group, 1)
+        scores = torch.einsum("thd,lhd->htl", q[lo:hi].float(), keys) / math.sqrt(q.shape[-1])
+        positions = n - (hi - lo) + torch.arange(hi - lo)
+        scores = scores.masked_fill(torch.arange(n)[None, :] > positions[:, None], float("-inf"))
+        out[lo:hi] = torch.einsum("htl,lhd->thd", scores.softmax(-1), values)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2)])
+def test_extend_attention_with_bf16_products(head_dim, heads, kv_heads):
+    """New tokens after cached prefixes of every length class (none, inside the first key block,
+    many blocks), query blocks of 32 tokens and a partial one, a lone token: as close to the float32
+    reference as the float32 kernel is, both rounded to bf16 at the end."""
+    if not native.extend_bf16_available():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    gen = torch.Generator().manual_seed(head_dim)
+    new, prefix = [5, 70, 1, 33], [0, 37, 100, 700]
+    lens = [a + b for a, b in zip(new, prefix)]
+    k_buf = torch.randn(3000, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_buf = torch.randn(3000, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    kv_indices = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    slots = (torch.randperm(2999, generator=gen) + 1).tolist()
+    for b, n in enumerate(lens):
+        kv_indices[b, :n] = torch.tensor(slots[:n])
+        slots = slots[n:]
+    seq_lens, cu = torch.tensor(lens), torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
+    qkv = torch.randn(sum(new), heads + 2 * kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    q = qkv[:, :heads]  # strided, like the fused projection's output
+    ref = _reference_extend(q, k_buf, v_buf, kv_indices, seq_lens, cu)
+    args = (q, k_buf, v_buf, kv_indices, seq_lens, cu)
+    fast = cpu_ops.extend_attention_native(*args, bf16_products=True).float()
+    exact = cpu_ops.extend_attention_native(*args).float()
+    torch.testing.assert_close(fast, ref, atol=2e-2, rtol=2e-2)
+    assert (fast - ref).abs().mean() < 1.5 * (exact - ref).abs().mean() + 1e-4
+    assert not torch.equal(fast, exact)  # the bf16 path ran, not the float32 kernel
 
 
 @needs_native

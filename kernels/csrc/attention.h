@@ -4,11 +4,13 @@
 //   decode_attention  one query per sequence, parallel over (sequence, kv head); each K/V row is
 //                     read once for all G query heads of its group.
 //   extend_attention  causal prefill for a whole batch, flash-style blocks (see below).
+//   extend_attention_bf16  the same with bf16 products (extend_avx512.h), where AVX512-BF16 is.
 
 #include <array>
 
 #include "common.h"
 #include "decode_avx512.h"
+#include "extend_avx512.h"
 
 namespace radixserve {
 namespace {
@@ -477,6 +479,40 @@ torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k_bu
                              cu.data_ptr<int64_t>(), batch, heads, kv_heads, dim, static_cast<float>(scale),
                              ptr<E>(out));
   });
+  return out;
+}
+
+bool extend_bf16_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor extend_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
+                                    const torch::Tensor& kv_indices, const torch::Tensor& seq_lens,
+                                    const torch::Tensor& cu, double scale) {
+  TORCH_CHECK(extend_bf16_available(), "extend_attention_bf16 needs a CPU with AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with contiguous D");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.dim() == 3, "K/V buffers must be contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_buf.scalar_type() == at::kBFloat16 &&
+                  v_buf.scalar_type() == at::kBFloat16,
+              "extend_attention_bf16 takes bfloat16 tensors");
+  for (const auto* t : {&kv_indices, &seq_lens, &cu})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
+  const int64_t batch = seq_lens.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_buf.size(1);
+  TORCH_CHECK(cu.size(0) == batch + 1 && kv_indices.size(0) == batch, "batch sizes do not match");
+  TORCH_CHECK(k_buf.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(dim == 64 || dim == 128, "extend_attention_bf16 takes head sizes 64 and 128");
+  TORCH_CHECK(q.stride(1) % 2 == 0 && q.stride(0) % 2 == 0, "q rows must start on 4-byte boundaries");
+  auto out = torch::empty({q.size(0), heads, dim}, q.options());
+#if defined(__AVX512BF16__)
+  auto run = dim == 64 ? extend_attention_bf16_impl<64> : extend_attention_bf16_impl<128>;
+  run(ptr<BF16>(q), q.stride(0), q.stride(1), ptr<BF16>(k_buf), ptr<BF16>(v_buf), kv_indices.data_ptr<int64_t>(),
+      kv_indices.size(1), seq_lens.data_ptr<int64_t>(), cu.data_ptr<int64_t>(), batch, heads, kv_heads,
+      static_cast<float>(scale), ptr<BF16>(out));
+#endif
   return out;
 }
 

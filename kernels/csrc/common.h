@@ -12,6 +12,7 @@
 #include <utility>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 

@@ -19,7 +19,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta in place, then RMSNorm(h)", release());
   m.def("rotary_", &rotary_, "neox rotary in place on [T, heads, D]", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [T, 2I]", release());
+  m.def("store_kv_", &store_kv_, "a step's new K/V rows into their pool slots", release());
   m.def("extend_attention", &extend_attention, "causal prefill attention over paged K/V, whole batch", release());
+  m.def("extend_attention_bf16", &extend_attention_bf16,
+        "extend_attention with bf16 products (float32 softmax and sums), AVX512-BF16 only", release());
+  m.def("extend_bf16_available", &extend_bf16_available, "whether extend_attention_bf16 was built");
   m.def("gemm_available", &gemm_available, "whether packed_linear was built (AVX512-BF16)");
   m.def(
       "fixed_gemm_uses_amx",

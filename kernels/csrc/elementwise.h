@@ -6,6 +6,7 @@
 //   add_rms_norm_   h += delta; y = rms_norm(h)    (the residual update fused in)
 //   rotary_         neox rotary in place on the q|k heads of the fused qkv output
 //   silu_mul        silu(gate) * up of the fused gate|up output
+//   store_kv_       a step's new K and V rows copied into the pool's slots, both in one pass
 
 #include "common.h"
 
@@ -140,6 +141,37 @@ torch::Tensor silu_mul(const torch::Tensor& x) {
     silu_mul_impl<E>(ptr<E>(x), ptr<E>(out), x.size(0), x.size(1) / 2);
   });
   return out;
+}
+
+// The new tokens' K and V ([T, heads, D] views of the fused qkv output: heads adjacent, D
+// contiguous) into their pool slots ([slots, heads, D] each): one row copy per token and tensor
+// where torch's index_copy_ walks a strided source element by element, twice per layer.
+void store_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_buf, torch::Tensor& v_buf,
+               const torch::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [T, heads, D] alike");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(), "pool buffers");
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.size(1) == k.size(1) && k_buf.size(2) == k.size(2), "pool row shape");
+  for (const auto* t : {&k, &v}) {
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "k/v heads must be adjacent rows");
+    TORCH_CHECK(t->scalar_type() == k_buf.scalar_type() && v_buf.scalar_type() == k_buf.scalar_type(), "dtypes");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "slots");
+  const int64_t tokens = k.size(0), capacity = k_buf.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slot out of range");
+  const int64_t bytes = k.size(1) * k.size(2) * static_cast<int64_t>(k.element_size());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kb = static_cast<char*>(k_buf.data_ptr());
+  char* vb = static_cast<char*>(v_buf.data_ptr());
+  // A decode step's few rows in the calling thread; prefill chunks split over the team.
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kb + sp[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vb + sp[t] * bytes, vp + t * vs, bytes);
+    }
+  });
 }
 
 }  // namespace radixserve

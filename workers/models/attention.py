@@ -42,6 +42,8 @@ class AttentionBackend:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool) -> None:
     k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+    if cpu_ops.store_kv_(k, v, k_buf, v_buf, batch.out_slots):
+        return
     k_buf.index_copy_(0, batch.out_slots, k.to(k_buf.dtype))
     v_buf.index_copy_(0, batch.out_slots, v.to(v_buf.dtype))
 
@@ -132,7 +134,13 @@ class CpuBackend(AttentionBackend):
             return out.to(q.dtype)
         meta = batch.attn_metadata
         out = cpu_ops.extend_attention_native(
-            q.to(k_buf.dtype), k_buf, v_buf, meta.kv_indices, meta.seq_lens, meta.cu_extend
+            q.to(k_buf.dtype),
+            k_buf,
+            v_buf,
+            meta.kv_indices,
+            meta.seq_lens,
+            meta.cu_extend,
+            bf16_products=not self.batch_invariant,
         )
         if out is not None:
             return out.to(q.dtype)
