@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 chunked_prefill_size=args.chunked_prefill_size,
                 enable_mixed_chunk=mixed,
                 enable_overlap=False,
+                stream_interval_ms=0,  # a chunk per step: the gaps measured are the scheduler's
             )
             try:
                 engine.generate(input_ids=[[1000, 1001, 1002]], sampling_params={"max_new_tokens": 2})

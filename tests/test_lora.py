@@ -115,9 +115,16 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(engine, pro
 def test_adapters_over_the_default_models_own_gguf_blocks_equal_transformers_merged(
     adapters, prompts, references
 ):
-    """The default engine computes the base from the GGUF file's blocks (quantization auto): the
-    adapters add their deltas to that output as to the dequantized one."""
-    eng = Engine(max_total_tokens=4096, lora_paths=(f"all16={adapters['all16']}",), max_loras_per_batch=1)
+    """The engine computes the base from the GGUF file's blocks: the adapters add their deltas to
+    that output as to the dequantized one. float32 activations, as the reference's (on a CPU with
+    AVX512-BF16 the default dtype would be bfloat16, whose greedy tokens may part from it)."""
+    eng = Engine(
+        dtype="float32",
+        quantization="gguf",
+        max_total_tokens=4096,
+        lora_paths=(f"all16={adapters['all16']}",),
+        max_loras_per_batch=1,
+    )
     try:
         base = eng.core.runner.model.model.layers[0].mlp.down_proj
         assert base.quantized is not None and base.lora is not None

@@ -426,7 +426,10 @@ def test_int8_activations_are_served_as_the_loaded_model_computes_them(tiny_gguf
     projections = [m.quantized for m in loaded.model.modules() if isinstance(m, Linear)]
     assert projections and all(q.int8_activations for q in projections)
     expected = ModelDriver(loaded.model, loaded.config).greedy(PROMPTS, 8)
-    engine = Engine(tiny_gguf, quantization="gguf", quantized_activations="int8", max_total_tokens=2048)
+    # float32 activations as the loaded model's (the default dtype is bfloat16 on AVX512-BF16 CPUs)
+    engine = Engine(
+        tiny_gguf, dtype="float32", quantization="gguf", quantized_activations="int8", max_total_tokens=2048
+    )
     try:
         params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
         assert [
