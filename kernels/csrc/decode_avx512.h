@@ -40,21 +40,43 @@ inline __m512 qk_partial(const uint16_t* k, const __m512bh* qv) {
   return acc;
 }
 
-// Scores of one query head against every key: sg[l] = scale * q . k_l.
-template <int D>
-void qk_scores(const uint16_t* q, const uint16_t* k_buf, const int64_t* slots, int64_t len, int64_t row,
-               float scale, float* sg) {
-  __m512bh qv[D / 32];
+// Keys ahead of the one in use whose rows are prefetched: the slots are scattered over the pool,
+// which the hardware prefetchers cannot follow.
+constexpr int64_t kPrefetchKeys = 16;
+
+inline void prefetch_row(const uint16_t* buf, int64_t slot, int64_t row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(buf + slot * row);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// Scores of the G query heads against every key, each key row read once for all of them:
+// sc[g * len + l] = scale * q_g . k_l.
+template <int D, int G>
+void qk_scores(const uint16_t* q, int64_t q_stride_h, const uint16_t* k_buf, const int64_t* slots, int64_t len,
+               int64_t row, float scale, float* sc) {
+  constexpr int C = D / 32;
+  __m512bh qv[G][C];
+  for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-  for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    for (int c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * q_stride_h + 32 * c);
   const __m128 s4 = _mm_set1_ps(scale);
   int64_t l = 0;
   for (; l + 4 <= len; l += 4) {
-    const __m128 s = sum4(qk_partial<D>(k_buf + slots[l] * row, qv), qk_partial<D>(k_buf + slots[l + 1] * row, qv),
-                          qk_partial<D>(k_buf + slots[l + 2] * row, qv), qk_partial<D>(k_buf + slots[l + 3] * row, qv));
-    _mm_storeu_ps(sg + l, _mm_mul_ps(s, s4));
+    for (int64_t a = l + kPrefetchKeys; a < std::min(l + kPrefetchKeys + 4, len); ++a)
+      prefetch_row(k_buf, slots[a], row, 2 * D);
+    const uint16_t* k0 = k_buf + slots[l] * row;
+    const uint16_t* k1 = k_buf + slots[l + 1] * row;
+    const uint16_t* k2 = k_buf + slots[l + 2] * row;
+    const uint16_t* k3 = k_buf + slots[l + 3] * row;
+    for (int g = 0; g < G; ++g) {
+      const __m128 s = sum4(qk_partial<D>(k0, qv[g]), qk_partial<D>(k1, qv[g]), qk_partial<D>(k2, qv[g]),
+                            qk_partial<D>(k3, qv[g]));
+      _mm_storeu_ps(sc + g * len + l, _mm_mul_ps(s, s4));
+    }
   }
-  for (; l < len; ++l) sg[l] = _mm512_reduce_add_ps(qk_partial<D>(k_buf + slots[l] * row, qv)) * scale;
+  for (; l < len; ++l)
+    for (int g = 0; g < G; ++g)
+      sc[g * len + l] = _mm512_reduce_add_ps(qk_partial<D>(k_buf + slots[l] * row, qv[g])) * scale;
 }
 
 // One (sequence, kv head) item for G query heads of head size D. q rows q + g * q_stride_h,
@@ -67,9 +89,9 @@ void decode_item_avx512(const uint16_t* q, int64_t q_stride_h, const uint16_t* k
   scores.resize(G * len);
   float* sc = scores.data();
   float inv_sum[G];
+  qk_scores<D, G>(q, q_stride_h, k_buf, slots, len, row, scale, sc);
   for (int g = 0; g < G; ++g) {
     float* sg = sc + g * len;
-    qk_scores<D>(q + g * q_stride_h, k_buf, slots, len, row, scale, sg);
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t l = 0; l < len; ++l) m = std::max(m, sg[l]);
     float total = 0.f;
@@ -86,6 +108,7 @@ void decode_item_avx512(const uint16_t* q, int64_t q_stride_h, const uint16_t* k
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t l = 0; l < len; ++l) {
+    if (l + kPrefetchKeys < len) prefetch_row(v_buf, slots[l + kPrefetchKeys], row, 2 * D);
     const uint16_t* vr = v_buf + slots[l] * row;
     __m512 v[NV];
 #pragma GCC unroll 8
