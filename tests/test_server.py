@@ -17,7 +17,9 @@ import httpx
 import openai
 import pytest
 import ray
+import torch
 
+from radixserve.workers.models.loader import default_dtype
 from tests.serve_utils import abort_mid_stream, running_app, sse_events
 
 pytestmark = pytest.mark.slow  # starts a live Ray Serve app
@@ -1016,7 +1018,11 @@ def test_lang_over_http_a_fork_is_one_batch_and_the_examples_match_the_offline_e
 
     native, openai_style = text_then_select.run(backend=remote), text_then_select.run(backend=oai)
     assert openai_style["city"] == native["city"] and openai_style["size"] == native["size"]
-    assert openai_style.meta("size").scores == pytest.approx(native.meta("size").scores, abs=1e-3)
+    # The two compute the echoed prompt in different steps (cached prefix or not): float32 logits
+    # agree to rounding; bfloat16 ones (the default where the CPU has AVX512-BF16) only to an ulp,
+    # 1/16 at these magnitudes (~12).
+    tol = 1e-3 if default_dtype() == torch.float32 else 0.1
+    assert openai_style.meta("size").scores == pytest.approx(native.meta("size").scores, abs=tol)
     assert extract_json.main(oai) == extract_json.main(remote)
 
     results = {m.__name__: m.main(remote) for m in (judge, extract_json, classify, agent)}

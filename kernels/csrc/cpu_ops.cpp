@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "attention.h"
+#include "decoder_layer.h"
 #include "elementwise.h"
 #include "gemm.h"
 #include "lora.h"
@@ -19,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta in place, then RMSNorm(h)", release());
   m.def("rotary_", &rotary_, "neox rotary in place on [T, heads, D]", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [T, 2I]", release());
+  m.def("decoder_layer_decode", &decoder_layer_decode,
+        "one dense decoder layer of a decode step (packed bf16 projections), the ops of the Python path",
+        release());
   m.def("store_kv_", &store_kv_, "a step's new K/V rows into their pool slots", release());
   m.def("extend_attention", &extend_attention, "causal prefill attention over paged K/V, whole batch", release());
   m.def("extend_attention_bf16", &extend_attention_bf16,

@@ -24,6 +24,7 @@ from radixserve.workers.distributed.parallel import Parallel, shard_range
 from radixserve.workers.models.attention import AttentionBackend
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.forward_batch import ForwardBatch
+from radixserve.workers.models.fused_decode import FusedDecode
 from radixserve.workers.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from radixserve.workers.models.linear import FusedLinear, Linear
 from radixserve.workers.models.parallel_layers import (
@@ -156,6 +157,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.context_length, config.rope, config.dtype, rotary_device
         )
+        # Decode steps one native call per layer (fused_decode.py), where that runs the same
+        # kernels: decided at the first forward, once LoRA has wrapped what it wraps.
+        self.fused_decode: FusedDecode | None = None
+        self._fused_checked = False
 
     @staticmethod
     def make_mlp(config: ModelConfig, layer_id: int, parallel: Parallel) -> nn.Module:
@@ -185,8 +190,22 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_pool) -> torch.Tensor:
         self.backend.prepare(batch)
         cos, sin = self.rotary.cos_sin(batch.positions, max(batch.seq_lens_list, default=0) - 1)
-        layers = self.model.layers
         residual = self.model.embed_tokens(batch.input_ids)  # a fresh tensor: safe to update in place
+        if not self._fused_checked:
+            self.fused_decode, self._fused_checked = FusedDecode.build(self), True
+        if self.fused_decode is not None and self.fused_decode.usable(batch, kv_pool):
+            delta = self.fused_decode.run(residual, cos, sin, batch, kv_pool)
+        else:
+            delta = self._layers(residual, cos, sin, batch, kv_pool)
+        # Only the sampled rows go through the final add + norm and the LM head (the largest GEMM
+        # of a small model): RMSNorm is per row, so this is exact.
+        rows = batch.logits_indices
+        h = self.model.norm.add_forward(residual[rows], delta[rows])
+        return self.lm_head(h).float()
+
+    def _layers(self, residual: torch.Tensor, cos, sin, batch: ForwardBatch, kv_pool) -> torch.Tensor:
+        """Every decoder layer module in turn; returns the last one's MLP output."""
+        layers = self.model.layers
         x = layers[0].input_layernorm(residual)
         for i, layer in enumerate(layers):
             delta = layer(x, residual, cos, sin, batch, kv_pool)
@@ -194,11 +213,7 @@ class LlamaForCausalLM(nn.Module):
                 batch.layer_done(i)
             if i + 1 < len(layers):
                 x = layers[i + 1].input_layernorm.add_forward(residual, delta)
-        # Only the sampled rows go through the final add + norm and the LM head (the largest GEMM
-        # of a small model): RMSNorm is per row, so this is exact.
-        rows = batch.logits_indices
-        h = self.model.norm.add_forward(residual[rows], delta[rows])
-        return self.lm_head(h).float()
+        return delta
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy this rank's slice of every checkpoint tensor (Hugging Face names) in; raise if any
