@@ -256,7 +256,9 @@ def test_the_cache_is_kept_apart_by_adapter_and_by_tenant(acme, globex, admin):
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     n = len(acme.post("/v1/tokenize", json={"messages": chat}).json()["tokens"])
-    assert cached(acme, "baker") == 0
+    # New to the adapter's namespace but for the role header, which an earlier baker chat of
+    # acme's began with (cached where it was routed, so 0 or the header).
+    assert cached(acme, "baker") < 8
     assert cached(acme, "baker") == n - 1  # routed home, into the adapter's namespace
     assert cached(globex, "baker") == 0  # another tenant, the same adapter: its own namespace
     # The base model shares nothing with the adapter: at most the template's role header, which
