@@ -290,19 +290,7 @@ void extend_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
   const int64_t group = heads / kv_heads;
   KVScratch sc;
   convert_kv<E>(k_buf, v_buf, kv_indices, width, seq_lens, batch, kv_heads, dim, sc);
-  std::vector<std::array<int64_t, 3>> items;  // (b, kh, first token of block)
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t kh = 0; kh < kv_heads; ++kh)
-      for (int64_t t = cu[b]; t < cu[b + 1]; t += kQB) items.push_back({b, kh, t});
-  // at::parallel_for splits the range into one contiguous chunk per thread, and later blocks see
-  // more keys: sort by cost, then deal alternately into the two halves so the chunks balance.
-  auto cost = [&](const std::array<int64_t, 3>& it) { return seq_lens[it[0]] - (cu[it[0] + 1] - it[2]); };
-  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return cost(a) > cost(b); });
-  std::vector<std::array<int64_t, 3>> dealt;
-  dealt.reserve(items.size());
-  for (size_t i = 0; i < items.size(); i += 2) dealt.push_back(items[i]);
-  for (size_t i = 1; i < items.size(); i += 2) dealt.push_back(items[i]);
-  items.swap(dealt);
+  const auto items = extend_items(batch, kv_heads, cu, seq_lens, kQB);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, mx, den;
     for (int64_t i = begin; i < end; ++i) {

@@ -52,6 +52,24 @@ inline float exp_any(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
+// The work items of an extend attention call, (sequence, kv head, first token) per `block`
+// tokens, in the order that balances at::parallel_for's one contiguous range per thread: later
+// blocks see more keys, so the items go by cost, dealt alternately into the two halves.
+inline std::vector<std::array<int64_t, 3>> extend_items(int64_t batch, int64_t kv_heads, const int64_t* cu,
+                                                        const int64_t* seq_lens, int64_t block) {
+  std::vector<std::array<int64_t, 3>> items;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t kh = 0; kh < kv_heads; ++kh)
+      for (int64_t t = cu[b]; t < cu[b + 1]; t += block) items.push_back({b, kh, t});
+  auto cost = [&](const std::array<int64_t, 3>& it) { return seq_lens[it[0]] - (cu[it[0] + 1] - it[2]); };
+  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return cost(a) > cost(b); });
+  std::vector<std::array<int64_t, 3>> dealt;
+  dealt.reserve(items.size());
+  for (size_t i = 0; i < items.size(); i += 2) dealt.push_back(items[i]);
+  for (size_t i = 1; i < items.size(); i += 2) dealt.push_back(items[i]);
+  return dealt;
+}
+
 // Calls fn(E{}) with E the element view matching the tensor's dtype (float32 or bfloat16).
 template <typename Fn>
 void dispatch(at::ScalarType dtype, Fn&& fn) {

@@ -193,18 +193,7 @@ void extend_attention_bf16_impl(const uint16_t* q, int64_t q_stride_t, int64_t q
                       (seq_lens[b] + kXKB - 1) / kXKB, kp.data() + base[it], vp.data() + base[it]);
     }
   });
-  std::vector<std::array<int64_t, 3>> items;  // (b, kh, first token of the item)
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t kh = 0; kh < kv_heads; ++kh)
-      for (int64_t t = cu[b]; t < cu[b + 1]; t += kXQB) items.push_back({b, kh, t});
-  // at::parallel_for gives each thread one contiguous range: sorted by cost and dealt alternately
-  // into the two halves, the ranges balance.
-  auto cost = [&](const std::array<int64_t, 3>& it) { return seq_lens[it[0]] - (cu[it[0] + 1] - it[2]); };
-  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return cost(a) > cost(b); });
-  std::vector<std::array<int64_t, 3>> dealt;
-  dealt.reserve(items.size());
-  for (size_t i = 0; i < items.size(); i += 2) dealt.push_back(items[i]);
-  for (size_t i = 1; i < items.size(); i += 2) dealt.push_back(items[i]);
+  const auto dealt = extend_items(batch, kv_heads, cu, seq_lens, kXQB);
   at::parallel_for(0, static_cast<int64_t>(dealt.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc, mx, den;
     for (int64_t i = begin; i < end; ++i) {
