@@ -35,7 +35,6 @@ inline torch::Tensor decoder_layer_decode(const c10::optional<torch::Tensor>& de
                                               1.0 / std::sqrt(static_cast<double>(head_dim)));
   const torch::Tensor o = packed_linear(attn.view({tokens, heads * head_dim}), o_w, hidden, no_bias, false);
   const torch::Tensor h = add_rms_norm_(residual, o, post_norm, eps);
-  TORCH_CHECK(gate_up_n % 2 == 0 && down_w.size(1) * 2 == gate_up_n / 2, "gate_up / down shapes do not match");
   const torch::Tensor gate_up = packed_linear(h, gate_up_w, gate_up_n, no_bias, false);
   return packed_linear(silu_mul(gate_up), down_w, hidden, no_bias, false);
 }

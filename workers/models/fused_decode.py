@@ -45,7 +45,7 @@ class FusedDecode:
             or cpu_ops.native_ops() is None
         ):
             return None
-        layers, max_rows = [], None
+        layers, linears_all = [], []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(mlp) is not LlamaMLP:
@@ -53,6 +53,8 @@ class FusedDecode:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(_plain_packed(m) for m in linears):
                 return None
+            if mlp.gate_up_proj.out_features != 2 * mlp.down_proj.in_features:
+                return None  # the kernel takes gate | up halves of the down projection's width
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if norms[0].eps != norms[1].eps or any(n.weight.dtype != torch.bfloat16 for n in norms):
                 return None
@@ -68,11 +70,11 @@ class FusedDecode:
                     mlp.down_proj.packed_weight,
                 )
             )
-            rows = min(m.packed_below for m in linears)
-            max_rows = rows if max_rows is None else min(max_rows, rows)
-        first = model.model.layers[0].self_attn
-        if not layers or max_rows is None:
+            linears_all += linears
+        if not layers:
             return None
+        first = model.model.layers[0].self_attn
+        max_rows = min(m.packed_below for m in linears_all)
         return cls(layers, max_rows, first.num_heads, first.num_kv_heads, first.head_dim)
 
     def usable(self, batch: ForwardBatch, kv_pool: Any) -> bool:
