@@ -45,7 +45,8 @@ class FusedDecode:
             or cpu_ops.native_ops() is None
         ):
             return None
-        layers, linears_all = [], []
+        layers: list[tuple[Any, ...]] = []
+        linears_all: list[Linear] = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(mlp) is not LlamaMLP:
