@@ -6,6 +6,8 @@ pull in torch and the model code.
 
 from typing import Any
 
+import radixserve.kernels  # noqa: F401  (OpenMP's wait policy, before torch loads)
+
 __all__ = ["Engine"]
 
 

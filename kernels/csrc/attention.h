@@ -79,7 +79,7 @@ void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<E, BF16>) {
     if (const DecodeItemFn item_fn = decode_item_avx512_for(dim, group)) {
-      at::parallel_for(0, batch * kv_heads, 1, [=](int64_t begin, int64_t end) {
+      parallel_for(0, batch * kv_heads, 1, [=](int64_t begin, int64_t end) {
         std::vector<float> scores;
         for (int64_t item = begin; item < end; ++item) {
           const int64_t b = item / kv_heads, kh = item % kv_heads;
@@ -91,7 +91,7 @@ void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
     }
   }
 #endif
-  at::parallel_for(0, batch * kv_heads, 1, [=](int64_t begin, int64_t end) {
+  parallel_for(0, batch * kv_heads, 1, [=](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, kh = item % kv_heads;
@@ -155,7 +155,7 @@ void convert_kv(const typename E::T* k_buf, const typename E::T* v_buf, const in
   }
   sc.kt.assign(total, 0.f);
   sc.v.assign(total, 0.f);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, kh = item % kv_heads;
       convert_seq_head<E>(k_buf + kh * dim, v_buf + kh * dim, kv_indices + b * width, seq_lens[b], row, dim,
@@ -291,7 +291,7 @@ void extend_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
   KVScratch sc;
   convert_kv<E>(k_buf, v_buf, kv_indices, width, seq_lens, batch, kv_heads, dim, sc);
   const auto items = extend_items(batch, kv_heads, cu, seq_lens, kQB);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, mx, den;
     for (int64_t i = begin; i < end; ++i) {
       const auto [b, kh, t] = items[i];
@@ -380,7 +380,7 @@ void decode_fixed_rows(const typename E::T* q, int64_t q_stride_t, int64_t q_str
   static constexpr auto kFns = decode_fixed_table<E, DIM>(std::make_integer_sequence<int, 8>{});
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * dim;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt(kKB * dim), vv(kKB * dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, kh = item % kv_heads;

@@ -16,6 +16,8 @@
 #include <limits>
 #include <vector>
 
+#include "work_pool.h"
+
 namespace radixserve {
 
 // Element access as float. The bf16 conversions are the bit operations torch uses (round to
@@ -53,8 +55,8 @@ inline float exp_any(float x) {
 }
 
 // The work items of an extend attention call, (sequence, kv head, first token) per `block`
-// tokens, in the order that balances at::parallel_for's one contiguous range per thread: later
-// blocks see more keys, so the items go by cost, dealt alternately into the two halves.
+// tokens, costliest first (later blocks see more keys): parallel_for hands chunks out in order,
+// so the cheap items are what is left to even out the threads at the end.
 inline std::vector<std::array<int64_t, 3>> extend_items(int64_t batch, int64_t kv_heads, const int64_t* cu,
                                                         const int64_t* seq_lens, int64_t block) {
   std::vector<std::array<int64_t, 3>> items;
@@ -63,11 +65,7 @@ inline std::vector<std::array<int64_t, 3>> extend_items(int64_t batch, int64_t k
       for (int64_t t = cu[b]; t < cu[b + 1]; t += block) items.push_back({b, kh, t});
   auto cost = [&](const std::array<int64_t, 3>& it) { return seq_lens[it[0]] - (cu[it[0] + 1] - it[2]); };
   std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return cost(a) > cost(b); });
-  std::vector<std::array<int64_t, 3>> dealt;
-  dealt.reserve(items.size());
-  for (size_t i = 0; i < items.size(); i += 2) dealt.push_back(items[i]);
-  for (size_t i = 1; i < items.size(); i += 2) dealt.push_back(items[i]);
-  return dealt;
+  return items;
 }
 
 // Calls fn(E{}) with E the element view matching the tensor's dtype (float32 or bfloat16).

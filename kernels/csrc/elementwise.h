@@ -27,7 +27,7 @@ inline void normalize_row(const typename E::T* x, const typename E::T* w, typena
 template <typename E>
 void rms_norm_rows(const typename E::T* x, int64_t x_stride, const typename E::T* w, typename E::T* out,
                    int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) normalize_row<E>(x + r * x_stride, w, out + r * dim, dim, eps);
   });
 }
@@ -35,7 +35,7 @@ void rms_norm_rows(const typename E::T* x, int64_t x_stride, const typename E::T
 template <typename E>
 void add_rms_norm_rows(typename E::T* h, const typename E::T* delta, const typename E::T* w, typename E::T* out,
                        int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       typename E::T* hr = h + r * dim;
       const typename E::T* dr = delta + r * dim;
@@ -53,7 +53,7 @@ template <typename E>
 void rotary_impl(typename E::T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride_t, int64_t stride_h,
                  const typename E::T* cos, const typename E::T* sin) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const typename E::T* c = cos + t * half;
       const typename E::T* s = sin + t * half;
@@ -75,7 +75,7 @@ void rotary_impl(typename E::T* x, int64_t tokens, int64_t heads, int64_t dim, i
 // Two passes over blocks of 256: with exp and the division in one loop GCC emits ~3x the divides.
 template <typename E>
 void silu_mul_impl(const typename E::T* x, typename E::T* out, int64_t tokens, int64_t inter) {
-  at::parallel_for(0, tokens, 4, [=](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 4, [=](int64_t begin, int64_t end) {
     float e[256];
     for (int64_t t = begin; t < end; ++t) {
       const typename E::T* __restrict__ gate = x + t * 2 * inter;
@@ -166,7 +166,7 @@ void store_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_
   char* kb = static_cast<char*>(k_buf.data_ptr());
   char* vb = static_cast<char*>(v_buf.data_ptr());
   // A decode step's few rows in the calling thread; prefill chunks split over the team.
-  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(kb + sp[t] * bytes, kp + t * ks, bytes);
       std::memcpy(vb + sp[t] * bytes, vp + t * vs, bytes);

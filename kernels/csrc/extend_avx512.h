@@ -186,18 +186,18 @@ void extend_attention_bf16_impl(const uint16_t* q, int64_t q_stride_t, int64_t q
       total += (seq_lens[b] + kXKB - 1) / kXKB * words;
     }
   std::vector<uint32_t> kp(total), vp(total);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / kv_heads, kh = it % kv_heads;
       pack_kv_bf16<D>(k_buf + kh * D, v_buf + kh * D, kv_indices + b * width, seq_lens[b], row,
                       (seq_lens[b] + kXKB - 1) / kXKB, kp.data() + base[it], vp.data() + base[it]);
     }
   });
-  const auto dealt = extend_items(batch, kv_heads, cu, seq_lens, kXQB);
-  at::parallel_for(0, static_cast<int64_t>(dealt.size()), 1, [&](int64_t begin, int64_t end) {
+  const auto items = extend_items(batch, kv_heads, cu, seq_lens, kXQB);
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc, mx, den;
     for (int64_t i = begin; i < end; ++i) {
-      const auto [b, kh, t] = dealt[i];
+      const auto [b, kh, t] = items[i];
       const int64_t ntok = std::min<int64_t>(kXQB, cu[b + 1] - t);
       const int64_t pos0 = seq_lens[b] - (cu[b + 1] - cu[b]) + (t - cu[b]);
       const int64_t it = b * kv_heads + kh;

@@ -166,7 +166,7 @@ inline torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& 
   for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
     const int64_t rows = std::min(kRowChunk, m - m0);
     interleave_rows(xd + m0 * ldx, ldx, rows, pairs, xq.data());
-    at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t col = s * kStrip, cols = std::min(kStrip, n - col);
         const uint16_t* ws = wd + s * pairs * 2 * kStrip;

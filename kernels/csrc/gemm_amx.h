@@ -119,7 +119,7 @@ inline void packed_linear_amx(const uint16_t* x, int64_t ldx, const uint16_t* wp
   // streams past (a whole long prompt's x re-read per strip would come from memory).
   for (int64_t c0 = 0; c0 < m; c0 += kAmxRowChunk) {
     const int64_t c1 = std::min(m, c0 + kAmxRowChunk);
-    at::parallel_for(0, pairs_of_strips, 1, [&](int64_t p0, int64_t p1) {
+    parallel_for(0, pairs_of_strips, 1, [&](int64_t p0, int64_t p1) {
       _tile_loadconfig(&cfg);
       alignas(64) float cbuf[2 * kTileRows * 16];
       for (int64_t sp = p0; sp < p1; ++sp) {

@@ -46,7 +46,7 @@ inline void lora_bgmv_(const torch::Tensor& x, const torch::Tensor& y, const tor
       bp[p] = ptr<E>(bs[p]);
       widths[p] = bs[p].size(2);
     }
-    at::parallel_for(0, t_rows, 1, [&](int64_t lo, int64_t hi) {
+    parallel_for(0, t_rows, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> xa(static_cast<size_t>(width));
       std::vector<float> delta(static_cast<size_t>(n));
       for (int64_t t = lo; t < hi; ++t) {

@@ -384,7 +384,7 @@ inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q
     std::vector<int8_t> xq(static_cast<size_t>(m * k));
     std::vector<float> xs(static_cast<size_t>(m * (k / 32)));
     for (int64_t i = 0; i < m; ++i) quantize_row_i8(xp + i * k, k, xq.data() + i * k, xs.data() + i * (k / 32));
-    at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
       std::vector<float> sc(static_cast<size_t>(w.groups)), of(static_cast<size_t>(w.groups));
       for (int64_t j = lo; j < hi; ++j) {
         w.row_scales(j, sc.data(), of.data());
@@ -401,7 +401,7 @@ inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q
     return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
   }
 #endif
-  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+  parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> sc(static_cast<size_t>(w.groups)), of(static_cast<size_t>(w.groups));
     if (m == 1) {
       for (int64_t j = lo; j < hi; ++j) {
@@ -462,7 +462,7 @@ inline torch::Tensor quant_dequantize(const torch::Tensor& q, const torch::Tenso
   dispatch(dtype, [&](auto e) {
     using E = decltype(e);
     auto* op = ptr<E>(out);
-    at::parallel_for(0, count, grain, [&](int64_t lo, int64_t hi) {
+    parallel_for(0, count, grain, [&](int64_t lo, int64_t hi) {
       std::vector<float> buf(std::is_same_v<E, F32> ? 0 : static_cast<size_t>(k));
       std::vector<float> sc(static_cast<size_t>(w.groups)), of(static_cast<size_t>(w.groups));
       for (int64_t i = lo; i < hi; ++i) {
