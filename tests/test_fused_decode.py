@@ -1,5 +1,6 @@
-"""Decode steps with one native call per decoder layer give bitwise the modules' logits, and the
-fused path stays off wherever it would not run the modules' own kernels."""
+"""Decode steps with the decoder layers in one native call give bitwise the modules' logits (packed
+bf16 weights, and the default model's GGUF blocks in bf16 and float32, with float and int8
+activations), and the fused path stays off wherever it would not run the modules' own kernels."""
 
 from __future__ import annotations
 
@@ -12,14 +13,29 @@ from radixserve.workers.models.fused_decode import FusedDecode
 from radixserve.workers.models.loader import load_model
 from tests.model_driver import ModelDriver, make_batch
 
-pytestmark = pytest.mark.skipif(
+needs_gemm = pytest.mark.skipif(
     not cpu_ops.gemm_available(torch.bfloat16), reason="the packed bf16 GEMM needs AVX512-BF16"
 )
+needs_native = pytest.mark.skipif(cpu_ops.native_ops() is None, reason="C++ extension not built")
+FORMS = {
+    "packed bf16": dict(dtype="bfloat16"),
+    "gguf bf16": dict(dtype="bfloat16", quantization="gguf"),
+    "gguf float32": dict(dtype="float32", quantization="gguf"),
+    "gguf int8 activations": dict(dtype="float32", quantization="gguf", quantized_activations="int8"),
+}
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model(None, dtype="bfloat16")
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("packed bf16", marks=needs_gemm),
+        pytest.param("gguf bf16", marks=needs_native),
+        pytest.param("gguf float32", marks=needs_native),
+        pytest.param("gguf int8 activations", marks=needs_native),
+    ],
+)
+def loaded(request):
+    return load_model(None, **FORMS[request.param])
 
 
 def set_fused(model, on: bool) -> None:
@@ -61,6 +77,24 @@ def test_greedy_output_is_the_modules(loaded):
     assert driver.greedy(prompts, 12) == fused
 
 
+def test_layer_by_layer_reports_equal_one_call(loaded):
+    """With a layer_done hook (layer-by-layer KV transfer) the layers run one call each, and each
+    is reported in order; the logits are the one-call path's."""
+    model, driver = loaded.model, ModelDriver(loaded.model, loaded.config)
+    prompts = [list(range(3000, 3000 + n)) for n in (9, 21)]
+    slots = [driver.pool.alloc(len(p) + 1) for p in prompts]
+    set_fused(model, True)
+    tokens = model(make_batch(BatchKind.PREFILL, prompts, [0, 0], slots), driver.pool).argmax(-1).tolist()
+    lens = [len(p) for p in prompts]
+    whole = model(make_batch(BatchKind.DECODE, [[t] for t in tokens], lens, slots), driver.pool)
+    batch = make_batch(BatchKind.DECODE, [[t] for t in tokens], lens, slots)
+    done: list[int] = []
+    batch.layer_done = done.append
+    assert torch.equal(model(batch, driver.pool), whole)
+    assert done == list(range(len(model.model.layers)))
+
+
+@needs_gemm
 def test_not_where_the_modules_run_other_kernels():
     # Batch-invariant mode: fixed-order GEMMs and attention.
     assert FusedDecode.build(load_model(None, dtype="bfloat16", deterministic=True).model) is None

@@ -137,6 +137,10 @@ def test_openmp_spin_wait_is_short_unless_the_user_set_it():
     assert out.stdout.strip() == "1000"
     code = "import radixserve.cluster, os; print(os.environ['GOMP_SPINCOUNT'])"
     out = subprocess.run(
-        [sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        env={**env, "GOMP_SPINCOUNT": "7"},
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == "7"

@@ -20,9 +20,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta in place, then RMSNorm(h)", release());
   m.def("rotary_", &rotary_, "neox rotary in place on [T, heads, D]", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [T, 2I]", release());
-  m.def("decoder_layer_decode", &decoder_layer_decode,
-        "one dense decoder layer of a decode step (packed bf16 projections), the ops of the Python path",
-        release());
+  py::class_<DecodeLinear>(m, "DecodeLinear", "a projection as a decode step runs it")
+      .def(py::init([](torch::Tensor w, int64_t n, c10::optional<torch::Tensor> scale,
+                       c10::optional<torch::Tensor> offset, int64_t group, int64_t bits, bool int8_x) {
+             return DecodeLinear{std::move(w), n, std::move(scale), std::move(offset), group, bits, int8_x};
+           }),
+           py::arg("weight"), py::arg("n"), py::arg("scale") = py::none(), py::arg("offset") = py::none(),
+           py::arg("group") = 0, py::arg("bits") = 0, py::arg("int8_x") = false);
+  py::class_<DecodeLayer>(m, "DecodeLayer", "one dense decoder layer's weights")
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps, DecodeLinear qkv, DecodeLinear o,
+                       DecodeLinear gate_up, DecodeLinear down) {
+        return DecodeLayer{std::move(input_norm), std::move(post_norm), eps, std::move(qkv), std::move(o),
+                           std::move(gate_up), std::move(down)};
+      }));
+  py::class_<DecodeStack>(m, "DecodeStack", "a model's decoder layers for decode steps, one native call")
+      .def(py::init([](std::vector<DecodeLayer> layers, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+        return DecodeStack{std::move(layers), heads, kv_heads, head_dim};
+      }))
+      .def("run", &DecodeStack::run, "layers [first, last) of a decode step; returns the last MLP output",
+           release());
   m.def("store_kv_", &store_kv_, "a step's new K/V rows into their pool slots", release());
   m.def("extend_attention", &extend_attention, "causal prefill attention over paged K/V, whole batch", release());
   m.def("extend_attention_bf16", &extend_attention_bf16,
