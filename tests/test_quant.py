@@ -134,6 +134,33 @@ def test_fused_kernel_takes_bf16_activations_and_rounds_once():
     assert torch.equal(qt.dequantize(torch.bfloat16), quant_ops.dequantize_torch(qt).to(torch.bfloat16))
 
 
+BF16_LAYOUTS = [  # 4-bit K, group, offset, float16 scales: whole chunks of four blocks and tails
+    (576, 32, True, True),  # the default model's Q4_1: 4.5 chunks a row
+    (512, 32, True, False),
+    (160, 32, False, True),
+    (256, 128, True, True),  # AWQ / GPTQ groups: one scale over four blocks
+    (384, 64, False, False),
+]
+
+
+@native
+@pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=lambda v: "-".join(map(str, v)))
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
+def test_bf16_activations_on_4_bit_weights_round_the_exact_sum_once(layout, rows):
+    """bf16 rows of x against 4-bit weights (the bf16 dot-product path where the CPU has it, the
+    float path elsewhere): the exact products' sum, rounded to bf16 once, up to float32 rounding
+    of the sum, so within an ulp of the float64 reference."""
+    k, group, offset, half = layout
+    qt = random_quant(70, k, 4, group, offset, seed=rows, half=half)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)).to(torch.bfloat16)
+    bias = torch.randn(70) if rows % 2 else None
+    y = cpu_ops.native_ops().quant_linear(x, qt.qweight, qt.scale, qt.offset, group, 4, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 70)
+    ref = x.double() @ quant_ops.dequantize_torch(qt).double().T + (0 if bias is None else bias.double())
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) - 7)
+    assert bool(((y.double() - ref).abs() <= ulp + 1e-6 * k).all())
+
+
 @native
 def test_fused_kernel_rejects_bad_operands():
     qt = random_quant(4, 32, 8, 16, False)

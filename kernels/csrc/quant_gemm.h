@@ -309,6 +309,61 @@ inline float scaled_dot_i8(const QuantView& w, int64_t j, const int8_t* xq, cons
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define RADIXSERVE_QUANT_BF16_X 1
+// bf16 rows of x against 4-bit weights with bf16 dot products (vdpbf16ps), no widening to float:
+// a byte pair (q, 0x43) is the bf16 number 128 + q, so unpacking the nibble bytes with 0x43 bytes
+// (one in-lane shuffle per 32 weights) gives the weights as bf16 values 128 + q, exactly. Every
+// product x * (128 + q) is exact in float32; the 128 * sum(x_g) * scale_g they add is taken off
+// with the offsets' term: y = sum_g scale_g * (x_g . (128 + q_g)) + sum_g (offset_g - 128 scale_g)
+// * sum(x_g). A 64-byte load is four 32-element blocks, one per 128-bit lane; x is permuted once
+// per call into the order the unpacks produce. The output is rounded to bf16 like the float path;
+// the sums differ from it only in float32 rounding.
+constexpr int64_t kBf16RowTile = 4;
+
+// x row (bf16, k elements) into xp in `rows_4bit_bf16`'s order: per chunk of four blocks, four
+// vectors of 32 values (elements 0-7, 8-15, 16-23, 24-31 of each block, a block a 128-bit lane);
+// zeros past k.
+inline void permute_x_bf16(const uint16_t* x, int64_t k, uint16_t* xp) {
+  const int64_t blocks = k / 32, chunks = (blocks + 3) / 4;
+  std::fill(xp, xp + chunks * 128, static_cast<uint16_t>(0));
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t part = 0; part < 4; ++part)
+      std::copy(x + b * 32 + part * 8, x + b * 32 + part * 8 + 8, xp + (b / 4) * 128 + part * 32 + (b % 4) * 8);
+}
+
+// out[i] = sum over blocks of bsc[block] * (x_i . (128 + q)) for weight row j and MR rows of x
+// (permuted, xps apart); bsc: each block's scale, zero-padded to a multiple of 4 blocks.
+template <int MR>
+inline void rows_4bit_bf16(const QuantView& w, int64_t j, const uint16_t* xp, int64_t xps, const float* bsc,
+                           float* out) {
+  const uint8_t* r = w.row(j);
+  const int64_t blocks = w.k / 32, chunks = (blocks + 3) / 4;
+  const __m512i mask = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
+  const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 tot[MR];
+  for (int i = 0; i < MR; ++i) tot[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t nb = std::min<int64_t>(4, blocks - 4 * c);
+    const __m512i v = nb == 4 ? _mm512_loadu_si512(r + c * 64)
+                              : _mm512_maskz_loadu_epi8((1ull << (16 * nb)) - 1, r + c * 64);
+    const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    const __m512bh wa = (__m512bh)_mm512_unpacklo_epi8(lo, c43), wb = (__m512bh)_mm512_unpackhi_epi8(lo, c43);
+    const __m512bh wc = (__m512bh)_mm512_unpacklo_epi8(hi, c43), wd = (__m512bh)_mm512_unpackhi_epi8(hi, c43);
+    const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(bsc + 4 * c)));
+    for (int i = 0; i < MR; ++i) {
+      const uint16_t* x = xp + i * xps + c * 128;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), wa, (__m512bh)_mm512_loadu_si512(x));
+      a = _mm512_dpbf16_ps(a, wb, (__m512bh)_mm512_loadu_si512(x + 32));
+      a = _mm512_dpbf16_ps(a, wc, (__m512bh)_mm512_loadu_si512(x + 64));
+      a = _mm512_dpbf16_ps(a, wd, (__m512bh)_mm512_loadu_si512(x + 96));
+      tot[i] = _mm512_fmadd_ps(a, s, tot[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i] = _mm512_reduce_add_ps(tot[i]);
+}
+#endif
+
 // Several rows of x: kTileRows weight rows are dequantized (row-major, into L1/L2) once, then
 // every pair of them is dotted with four rows of x at a time: per 8 columns, two weight loads and
 // four x loads feed eight FMAs (eight vector accumulators, summed across lanes at the end).
@@ -365,7 +420,12 @@ inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q
   const float* xp = xf.data_ptr<float>();
   // With offsets, sum(x_g) per row of x and group: the offsets' share of every output.
   std::vector<float> xsum;
-  if (w.offset) {
+#if defined(RADIXSERVE_QUANT_BF16_X)
+  const bool bf16_x = x.scalar_type() == at::kBFloat16 && w.bits == 4 && !(int8_x && m < kInt8Rows);
+#else
+  const bool bf16_x = false;
+#endif
+  if (w.offset || bf16_x) {
     xsum.resize(static_cast<size_t>(m * w.groups));
     for (int64_t i = 0; i < m; ++i)
       for (int64_t g = 0; g < w.groups; ++g) {
@@ -379,6 +439,42 @@ inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q
   torch::Tensor y = torch::empty({m, n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(w.row_bytes(), 1));
+#if defined(RADIXSERVE_QUANT_BF16_X)
+  if (bf16_x) {
+    const int64_t blocks = k / 32, padded = (blocks + 3) / 4 * 4, xps = padded * 32;
+    const torch::Tensor xc = x.contiguous();
+    const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+    std::vector<uint16_t> xperm(static_cast<size_t>(m * xps));
+    for (int64_t i = 0; i < m; ++i) permute_x_bf16(xb + i * k, k, xperm.data() + i * xps);
+    const int64_t per_group = w.group / 32;
+    parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+      std::vector<float> sc(static_cast<size_t>(w.groups)), of(static_cast<size_t>(w.groups), 0.0f);
+      std::vector<float> bsc(static_cast<size_t>(padded), 0.0f);
+      float dots[kBf16RowTile];
+      for (int64_t j = lo; j < hi; ++j) {
+        w.row_scales(j, sc.data(), of.data());
+        for (int64_t g = 0, blk = 0; g < w.groups; ++g)
+          for (int64_t t = 0; t < per_group; ++t) bsc[blk++] = sc[g];
+        for (int64_t i0 = 0; i0 < m; i0 += kBf16RowTile) {
+          const int64_t rows = std::min(kBf16RowTile, m - i0);
+          const uint16_t* xr = xperm.data() + i0 * xps;
+          if (rows == 4) rows_4bit_bf16<4>(w, j, xr, xps, bsc.data(), dots);
+          else if (rows == 3) rows_4bit_bf16<3>(w, j, xr, xps, bsc.data(), dots);
+          else if (rows == 2) rows_4bit_bf16<2>(w, j, xr, xps, bsc.data(), dots);
+          else rows_4bit_bf16<1>(w, j, xr, xps, bsc.data(), dots);
+          for (int64_t t = 0; t < rows; ++t) {
+            const float* xg = xsum.data() + (i0 + t) * w.groups;
+            float corr = 0.0f;
+#pragma omp simd reduction(+ : corr)
+            for (int64_t g = 0; g < w.groups; ++g) corr += (of[g] - 128.0f * sc[g]) * xg[g];
+            yp[(i0 + t) * n + j] = dots[t] + corr + (b ? b[j] : 0.0f);
+          }
+        }
+      }
+    });
+    return y.to(x.scalar_type());
+  }
+#endif
 #if defined(RADIXSERVE_QUANT_INT8_X)
   if (int8_x && m < kInt8Rows && w.group % 32 == 0) {
     std::vector<int8_t> xq(static_cast<size_t>(m * k));
