@@ -101,12 +101,16 @@ def test_model_and_server_info(http, model):
     assert http.get("/health_generate").status_code == 200
 
 
-def test_chat_stream_equals_non_stream(client, model):
+def test_chat_stream_equals_non_stream(client, model, http):
     kw = dict(model=model, messages=user("Name three colors."), max_tokens=12, temperature=0)
     full = client.chat.completions.create(**kw)
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
     assert full.usage.completion_tokens == 12 or full.choices[0].finish_reason == "stop"
     assert full.usage.prompt_tokens_details.cached_tokens >= 0
+    # The same computation for the stream: its prompt prefilled whole again, not its last token
+    # over the cached rest (other kernels; in bf16 this prompt's first token is a near-tie: "1"
+    # and "The" one ulp apart).
+    assert http.post("/flush_cache").json()["success"] is True
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -1018,10 +1022,11 @@ def test_lang_over_http_a_fork_is_one_batch_and_the_examples_match_the_offline_e
 
     native, openai_style = text_then_select.run(backend=remote), text_then_select.run(backend=oai)
     assert openai_style["city"] == native["city"] and openai_style["size"] == native["size"]
-    # The two compute the echoed prompt in different steps (cached prefix or not): float32 logits
-    # agree to rounding; bfloat16 ones (the default where the CPU has AVX512-BF16) only to an ulp,
-    # 1/16 at these magnitudes (~12).
-    tol = 1e-3 if default_dtype() == torch.float32 else 0.1
+    # The two compute the echoed prompt in different steps (cached prefix or not), so with other
+    # kernels (few rows: the quantized kernel on the file's exact weights; many: the weights
+    # dequantized to bf16 for the GEMM): float32 logits agree to rounding; bfloat16 ones (the
+    # default where the CPU has AVX512-BF16) to a few ulps after 30 layers, 1/16 each at ~12.
+    tol = 1e-3 if default_dtype() == torch.float32 else 0.25
     assert openai_style.meta("size").scores == pytest.approx(native.meta("size").scores, abs=tol)
     assert extract_json.main(oai) == extract_json.main(remote)
 

@@ -309,17 +309,17 @@ inline float scaled_dot_i8(const QuantView& w, int64_t j, const int8_t* xq, cons
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define RADIXSERVE_QUANT_BF16_X 1
 // bf16 rows of x against 4-bit weights with bf16 dot products (vdpbf16ps), no widening to float:
 // a byte pair (q, 0x43) is the bf16 number 128 + q, so unpacking the nibble bytes with 0x43 bytes
 // (one in-lane shuffle per 32 weights) gives the weights as bf16 values 128 + q, exactly. Every
-// product x * (128 + q) is exact in float32; the 128 * sum(x_g) * scale_g they add is taken off
-// with the offsets' term: y = sum_g scale_g * (x_g . (128 + q_g)) + sum_g (offset_g - 128 scale_g)
-// * sum(x_g). A 64-byte load is four 32-element blocks, one per 128-bit lane; x is permuted once
-// per call into the order the unpacks produce. The output is rounded to bf16 like the float path;
-// the sums differ from it only in float32 rounding.
-constexpr int64_t kBf16RowTile = 4;
+// product x * (128 + q) is exact in float32; the 128 * sum(x_b) * scale_b they add is taken off
+// with the offsets' term: y = sum_b scale_b * (x_b . (128 + q_b)) + sum_b (offset_b - 128 scale_b)
+// * sum(x_b) over the row's blocks b of 32. A 64-byte load is four blocks, one per 128-bit lane;
+// x is permuted once per call into the order the unpacks produce. The output is rounded to bf16
+// like the float path; the sums differ from it only in float32 rounding.
+constexpr int64_t kBf16RowTile = 8;
 
 // x row (bf16, k elements) into xp in `rows_4bit_bf16`'s order: per chunk of four blocks, four
 // vectors of 32 values (elements 0-7, 8-15, 16-23, 24-31 of each block, a block a 128-bit lane);
@@ -332,25 +332,37 @@ inline void permute_x_bf16(const uint16_t* x, int64_t k, uint16_t* xp) {
       std::copy(x + b * 32 + part * 8, x + b * 32 + part * 8 + 8, xp + (b / 4) * 128 + part * 32 + (b % 4) * 8);
 }
 
-// out[i] = sum over blocks of bsc[block] * (x_i . (128 + q)) for weight row j and MR rows of x
-// (permuted, xps apart); bsc: each block's scale, zero-padded to a multiple of 4 blocks.
-template <int MR>
-inline void rows_4bit_bf16(const QuantView& w, int64_t j, const uint16_t* xp, int64_t xps, const float* bsc,
-                           float* out) {
-  const uint8_t* r = w.row(j);
-  const int64_t blocks = w.k / 32, chunks = (blocks + 3) / 4;
+// out[i] = x_i . W_r for one 4-bit weight row `r` of `blocks` blocks and MR rows of x (permuted,
+// xps apart; xsb: each row's per-block sums, padded to whole chunks, xsbs apart). Per-block scales
+// and offsets (offset may be null) as float16 (HALF) or float32, one per block.
+template <int MR, bool HALF>
+inline void rows_4bit_bf16(const uint8_t* r, int64_t blocks, const void* scale, const void* offset,
+                           const uint16_t* xp, int64_t xps, const float* xsb, int64_t xsbs, float* out) {
+  const int64_t chunks = (blocks + 3) / 4;
   const __m512i mask = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
   const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m128 minus128 = _mm_set1_ps(-128.0f);
   __m512 tot[MR];
-  for (int i = 0; i < MR; ++i) tot[i] = _mm512_setzero_ps();
+  __m128 corr[MR];
+  for (int i = 0; i < MR; ++i) tot[i] = _mm512_setzero_ps(), corr[i] = _mm_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t nb = std::min<int64_t>(4, blocks - 4 * c);
+    const __mmask8 m4 = static_cast<__mmask8>((1u << nb) - 1);
     const __m512i v = nb == 4 ? _mm512_loadu_si512(r + c * 64)
                               : _mm512_maskz_loadu_epi8((1ull << (16 * nb)) - 1, r + c * 64);
     const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
     const __m512bh wa = (__m512bh)_mm512_unpacklo_epi8(lo, c43), wb = (__m512bh)_mm512_unpackhi_epi8(lo, c43);
     const __m512bh wc = (__m512bh)_mm512_unpacklo_epi8(hi, c43), wd = (__m512bh)_mm512_unpackhi_epi8(hi, c43);
-    const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(bsc + 4 * c)));
+    __m128 sc4, of4 = _mm_setzero_ps();
+    if constexpr (HALF) {
+      sc4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(m4, static_cast<const uint16_t*>(scale) + 4 * c));
+      if (offset) of4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(m4, static_cast<const uint16_t*>(offset) + 4 * c));
+    } else {
+      sc4 = _mm_maskz_loadu_ps(m4, static_cast<const float*>(scale) + 4 * c);
+      if (offset) of4 = _mm_maskz_loadu_ps(m4, static_cast<const float*>(offset) + 4 * c);
+    }
+    const __m128 c4 = _mm_fmadd_ps(minus128, sc4, of4);
+    const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(sc4));
     for (int i = 0; i < MR; ++i) {
       const uint16_t* x = xp + i * xps + c * 128;
       __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), wa, (__m512bh)_mm512_loadu_si512(x));
@@ -358,9 +370,29 @@ inline void rows_4bit_bf16(const QuantView& w, int64_t j, const uint16_t* xp, in
       a = _mm512_dpbf16_ps(a, wc, (__m512bh)_mm512_loadu_si512(x + 64));
       a = _mm512_dpbf16_ps(a, wd, (__m512bh)_mm512_loadu_si512(x + 96));
       tot[i] = _mm512_fmadd_ps(a, s, tot[i]);
+      corr[i] = _mm_fmadd_ps(c4, _mm_loadu_ps(xsb + i * xsbs + 4 * c), corr[i]);
     }
   }
-  for (int i = 0; i < MR; ++i) out[i] = _mm512_reduce_add_ps(tot[i]);
+  for (int i = 0; i < MR; ++i) {
+    __m128 h = _mm_add_ps(corr[i], _mm_movehl_ps(corr[i], corr[i]));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    out[i] = _mm512_reduce_add_ps(tot[i]) + _mm_cvtss_f32(h);
+  }
+}
+
+template <bool HALF>
+inline void rows_4bit_bf16_any(int64_t rows, const uint8_t* r, int64_t blocks, const void* scale, const void* offset,
+                               const uint16_t* xp, int64_t xps, const float* xsb, int64_t xsbs, float* out) {
+  switch (rows) {
+    case 8: return rows_4bit_bf16<8, HALF>(r, blocks, scale, offset, xp, xps, xsb, xsbs, out);
+    case 7: return rows_4bit_bf16<7, HALF>(r, blocks, scale, offset, xp, xps, xsb, xsbs, out);
+    case 6: return rows_4bit_bf16<6, HALF>(r, blocks, scale, offset, xp, xps, xsb, xsbs, out);
+    case 5: return rows_4bit_bf16<5, HALF>(r, blocks, scale, offset, xp, xps, xsb, xsbs, out);
+    case 4: return rows_4bit_bf16<4, HALF>(r, blocks, scale, offset, xp, xps, xsb, xsbs, out);
+    case 3: return rows_4bit_bf16<3, HALF>(r, blocks, scale, offset, xp, xps, xsb, xsbs, out);
+    case 2: return rows_4bit_bf16<2, HALF>(r, blocks, scale, offset, xp, xps, xsb, xsbs, out);
+    default: return rows_4bit_bf16<1, HALF>(r, blocks, scale, offset, xp, xps, xsb, xsbs, out);
+  }
 }
 #endif
 
@@ -425,7 +457,7 @@ inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q
 #else
   const bool bf16_x = false;
 #endif
-  if (w.offset || bf16_x) {
+  if (w.offset && !bf16_x) {
     xsum.resize(static_cast<size_t>(m * w.groups));
     for (int64_t i = 0; i < m; ++i)
       for (int64_t g = 0; g < w.groups; ++g) {
@@ -445,30 +477,43 @@ inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q
     const torch::Tensor xc = x.contiguous();
     const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
     std::vector<uint16_t> xperm(static_cast<size_t>(m * xps));
-    for (int64_t i = 0; i < m; ++i) permute_x_bf16(xb + i * k, k, xperm.data() + i * xps);
+    std::vector<float> xsb(static_cast<size_t>(m * padded), 0.0f);  // per row and block: sum(x_b)
+    for (int64_t i = 0; i < m; ++i) {
+      permute_x_bf16(xb + i * k, k, xperm.data() + i * xps);
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        float t = 0.0f;
+        const float* xs = xp + i * k + blk * 32;
+#pragma omp simd reduction(+ : t)
+        for (int64_t c = 0; c < 32; ++c) t += xs[c];
+        xsb[i * padded + blk] = t;
+      }
+    }
     const int64_t per_group = w.group / 32;
+    const size_t scale_bytes = w.half ? 2 : 4;
     parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+      // Groups of more than one block: each block's scale and offset spelled out per row.
       std::vector<float> sc(static_cast<size_t>(w.groups)), of(static_cast<size_t>(w.groups), 0.0f);
-      std::vector<float> bsc(static_cast<size_t>(padded), 0.0f);
+      std::vector<float> bsc(static_cast<size_t>(padded), 0.0f), bof(static_cast<size_t>(padded), 0.0f);
       float dots[kBf16RowTile];
       for (int64_t j = lo; j < hi; ++j) {
-        w.row_scales(j, sc.data(), of.data());
-        for (int64_t g = 0, blk = 0; g < w.groups; ++g)
-          for (int64_t t = 0; t < per_group; ++t) bsc[blk++] = sc[g];
+        const void* srow = static_cast<const char*>(w.scale) + j * w.groups * scale_bytes;
+        const void* orow = w.offset ? static_cast<const char*>(w.offset) + j * w.groups * scale_bytes : nullptr;
+        if (per_group > 1) {
+          w.row_scales(j, sc.data(), of.data());
+          for (int64_t g = 0, blk = 0; g < w.groups; ++g)
+            for (int64_t t = 0; t < per_group; ++t, ++blk) bsc[blk] = sc[g], bof[blk] = of[g];
+        }
         for (int64_t i0 = 0; i0 < m; i0 += kBf16RowTile) {
           const int64_t rows = std::min(kBf16RowTile, m - i0);
           const uint16_t* xr = xperm.data() + i0 * xps;
-          if (rows == 4) rows_4bit_bf16<4>(w, j, xr, xps, bsc.data(), dots);
-          else if (rows == 3) rows_4bit_bf16<3>(w, j, xr, xps, bsc.data(), dots);
-          else if (rows == 2) rows_4bit_bf16<2>(w, j, xr, xps, bsc.data(), dots);
-          else rows_4bit_bf16<1>(w, j, xr, xps, bsc.data(), dots);
-          for (int64_t t = 0; t < rows; ++t) {
-            const float* xg = xsum.data() + (i0 + t) * w.groups;
-            float corr = 0.0f;
-#pragma omp simd reduction(+ : corr)
-            for (int64_t g = 0; g < w.groups; ++g) corr += (of[g] - 128.0f * sc[g]) * xg[g];
-            yp[(i0 + t) * n + j] = dots[t] + corr + (b ? b[j] : 0.0f);
-          }
+          const float* sr = xsb.data() + i0 * padded;
+          if (per_group > 1)
+            rows_4bit_bf16_any<false>(rows, w.row(j), blocks, bsc.data(), bof.data(), xr, xps, sr, padded, dots);
+          else if (w.half)
+            rows_4bit_bf16_any<true>(rows, w.row(j), blocks, srow, orow, xr, xps, sr, padded, dots);
+          else
+            rows_4bit_bf16_any<false>(rows, w.row(j), blocks, srow, orow, xr, xps, sr, padded, dots);
+          for (int64_t t = 0; t < rows; ++t) yp[(i0 + t) * n + j] = dots[t] + (b ? b[j] : 0.0f);
         }
       }
     });
