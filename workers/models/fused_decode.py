@@ -50,27 +50,31 @@ class FusedDecode:
         native = cpu_ops.native_ops()
         layers: list[Any] = []
         max_rows: list[int] = []
-        dtype = None
+        dtype: torch.dtype | None = None
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(mlp) is not LlamaMLP:
                 return None
             if mlp.gate_up_proj.out_features != 2 * mlp.down_proj.in_features:
                 return None  # the kernel takes gate | up halves of the down projection's width
-            projections = [
+            found = [
                 _decode_linear(native, m)
                 for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             ]
+            projections = [p for p in found if p is not None]
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             dtype = dtype or norms[0].weight.dtype
-            if norms[0].eps != norms[1].eps or any(n.weight.dtype != dtype for n in norms):
+            if (
+                len(projections) < len(found)
+                or norms[0].eps != norms[1].eps
+                or any(n.weight.dtype != dtype for n in norms)
+                or dtype not in (torch.bfloat16, torch.float32)
+            ):
                 return None
-            if any(p is None for p in projections) or dtype not in (torch.bfloat16, torch.float32):
-                return None
-            max_rows += [rows for _, rows in projections]  # type: ignore[misc]
-            weights = [linear for linear, _ in projections]  # type: ignore[misc]
+            max_rows += [rows for _, rows in projections]
+            weights = [linear for linear, _ in projections]
             layers.append(native.DecodeLayer(norms[0].weight, norms[1].weight, norms[0].eps, *weights))
-        if not layers:
+        if not layers or dtype is None:
             return None
         first = model.model.layers[0].self_attn
         stack = native.DecodeStack(layers, first.num_heads, first.num_kv_heads, first.head_dim)
