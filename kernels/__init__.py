@@ -9,6 +9,4 @@ import os
 # of the default model took 1.5-2x as long. 1,000 polls is a few microseconds, after which an idle
 # worker sleeps. Set before torch is first imported (the `workers` and `cluster` packages import
 # this one first); a value the user set is kept.
-OPENMP_SPIN_ENV = {"GOMP_SPINCOUNT": "1000"}
-for _name, _value in OPENMP_SPIN_ENV.items():
-    os.environ.setdefault(_name, _value)
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")

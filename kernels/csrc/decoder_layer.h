@@ -40,7 +40,7 @@ struct DecodeLayer {
 // attention block (its output added to residual in place), then the MLP, whose output it returns.
 inline torch::Tensor decoder_layer_decode(const DecodeLayer& l, const c10::optional<torch::Tensor>& delta,
                                           torch::Tensor& residual, const torch::Tensor& cos, const torch::Tensor& sin,
-                                          torch::Tensor& k_buf, torch::Tensor& v_buf, const torch::Tensor& out_slots,
+                                          const torch::Tensor& k_buf, const torch::Tensor& v_buf, const torch::Tensor& out_slots,
                                           const torch::Tensor& kv_indices, const torch::Tensor& seq_lens, int64_t heads,
                                           int64_t kv_heads, int64_t head_dim) {
   const int64_t tokens = residual.size(0);
@@ -69,9 +69,8 @@ struct DecodeStack {
     TORCH_CHECK(0 <= first && first < last && last <= static_cast<int64_t>(layers.size()), "bad layer range");
     TORCH_CHECK(k_bufs.size() == layers.size() && v_bufs.size() == layers.size(), "one K and V buffer a layer");
     for (int64_t i = first; i < last; ++i)
-      delta = decoder_layer_decode(layers[i], delta, residual, cos, sin, const_cast<torch::Tensor&>(k_bufs[i]),
-                                   const_cast<torch::Tensor&>(v_bufs[i]), out_slots, kv_indices, seq_lens, heads,
-                                   kv_heads, head_dim);
+      delta = decoder_layer_decode(layers[i], delta, residual, cos, sin, k_bufs[i], v_bufs[i], out_slots, kv_indices,
+                                   seq_lens, heads, kv_heads, head_dim);
     return *delta;
   }
 };

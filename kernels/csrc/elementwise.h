@@ -146,7 +146,7 @@ torch::Tensor silu_mul(const torch::Tensor& x) {
 // The new tokens' K and V ([T, heads, D] views of the fused qkv output: heads adjacent, D
 // contiguous) into their pool slots ([slots, heads, D] each): one row copy per token and tensor
 // where torch's index_copy_ walks a strided source element by element, twice per layer.
-void store_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_buf, torch::Tensor& v_buf,
+void store_kv_(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
                const torch::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [T, heads, D] alike");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(), "pool buffers");

@@ -16,8 +16,10 @@
 // registers. One row: y = sum_g scale_g * (x_g . q_g) + sum_g offset_g * sum(x_g), so the inner loop
 // is one FMA per weight, the scale applied once per group. Several rows: a tile of weight rows is
 // dequantized once and dotted with every row of x (`dot_4x2`). AVX-512 or AVX2 where the CPU has it, a
-// plain loop the compiler vectorizes as it can elsewhere. Many rows (prefill) dequantize the whole
-// weight (`quant_dequantize`) for torch's GEMM: kernels/quant_ops.py picks by the row count.
+// plain loop the compiler vectorizes as it can elsewhere. bf16 rows of x against 4-bit weights take
+// bf16 dot products instead where the CPU has AVX512-BF16 (`rows_4bit_bf16`). Many rows (prefill)
+// dequantize the whole weight (`quant_dequantize`) for torch's GEMM: kernels/quant_ops.py picks by
+// the row count.
 
 #include "common.h"
 
@@ -491,9 +493,11 @@ inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q
     const int64_t per_group = w.group / 32;
     const size_t scale_bytes = w.half ? 2 : 4;
     parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
-      // Groups of more than one block: each block's scale and offset spelled out per row.
-      std::vector<float> sc(static_cast<size_t>(w.groups)), of(static_cast<size_t>(w.groups), 0.0f);
-      std::vector<float> bsc(static_cast<size_t>(padded), 0.0f), bof(static_cast<size_t>(padded), 0.0f);
+      // Groups of more than one block: each block's scale and offset spelled out per row (group
+      // 32 reads the row's own scales and offsets).
+      const size_t spelled = per_group > 1 ? static_cast<size_t>(padded) : 0;
+      std::vector<float> sc(per_group > 1 ? static_cast<size_t>(w.groups) : 0), of(sc.size(), 0.0f);
+      std::vector<float> bsc(spelled, 0.0f), bof(spelled, 0.0f);
       float dots[kBf16RowTile];
       for (int64_t j = lo; j < hi; ++j) {
         const void* srow = static_cast<const char*>(w.scale) + j * w.groups * scale_bytes;
