@@ -21,6 +21,10 @@ torch's GEMM, which reuses each weight tile across many rows (the dequantization
 small beside the M*N*K of the product). Without the extension (or off the CPU) the weight is
 dequantized in torch.
 
+For bf16 activations on AVX512-BF16 CPUs a `StripTensor` holds the same integers, scales and
+offsets in strips of 16 rows (csrc/quant_strips.h), for a kernel that serves many rows of x per
+read of the weight, as the packed bf16 GEMM does.
+
 Optionally (`int8_activations`, the engine's `quantized_activations="int8"`), decode rows of x are
 rounded to int8 per block of 32 and multiplied with the weights as integers, as llama.cpp does:
 faster per weight, and the activations' rounding is then the only difference from the float
@@ -40,6 +44,10 @@ from radixserve.kernels import cpu_ops
 # Rows from which dequantize + torch GEMM beats the fused kernel (load_tests/bench_quant.py
 # --crossover measures it; 2-core AVX2 host, SmolLM2-135M shapes, float32 activations).
 DEQUANT_ROWS = {4: 32, 8: 32}
+# Rows from which dequantize + torch GEMM beats the strip kernel (StripTensor; 2-core AVX512-BF16
+# host, the default model's 4-bit projections: strips take 0.88x its time at 128 rows, 1.11x at
+# 255).
+STRIP_DEQUANT_ROWS = 192
 # Rows of x below which int8 activations take the integer kernel (csrc/quant_gemm.h kInt8Rows;
 # from there the float tile path is faster).
 INT8_ACTIVATION_ROWS = 4
@@ -172,6 +180,99 @@ class QuantTensor:
             b = None if bias is None else bias.to(x.dtype)
             y = F.linear(x2, self.dequantize(x.dtype), b)
         return y.view(*x.shape[:-1], self.n)
+
+
+@dataclass(frozen=True)
+class StripTensor:
+    """A QuantTensor's weight in strips of 16 rows (csrc/quant_strips.h), for bf16 activations on
+    AVX512-BF16 CPUs: the same integers, scales and offsets, laid out so that many rows of x share
+    each read of the weight as the packed bf16 GEMM does (one row of x as fast as the row layout's
+    kernel or faster; 16 rows about the packed bf16 GEMM's time on the default model, where the row
+    layout took twice that). `pack` makes one from a QuantTensor and `unpack` gives that back
+    exactly."""
+
+    data: torch.Tensor  # 4 bits: uint8 [S, K / 8, 64]; 8 bits: int8 [S, K / 2, 16, 2]
+    scale: torch.Tensor  # [S, K / group, 16], float32 or float16
+    offset: torch.Tensor | None  # like scale, or None for zero
+    n: int
+    group: int
+    bits: int
+
+    @staticmethod
+    def fits(qt: QuantTensor) -> bool:
+        """Whether `qt`'s layout packs into strips: every 4-bit one, and 8-bit groups of a
+        multiple of 16 (the strip kernels read 16 columns of a group at a time)."""
+        return qt.bits == 4 or qt.group % 16 == 0
+
+    @classmethod
+    def pack(cls, qt: QuantTensor) -> StripTensor:
+        if not cls.fits(qt):
+            raise ValueError(f"an 8-bit group of {qt.group} is not a multiple of 16: keep it in rows")
+        ops = cpu_ops.native_ops()
+        if ops is None or not ops.quant_strips_available():
+            raise RuntimeError("strips need the CPU kernels on an AVX512-BF16 CPU")
+        data, scale, *offset = ops.quant_strip_pack(qt.qweight, qt.scale, qt.offset, qt.group, qt.bits)
+        return cls(data, scale, offset[0] if offset else None, qt.n, qt.group, qt.bits)
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[1] * (8 if self.bits == 4 else 2)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.data, self.scale, self.offset) if t is not None]
+
+    def unpack(self, rows: torch.Tensor | None = None) -> QuantTensor:
+        """The QuantTensor this was packed from (or its rows `rows`, an int64 index)."""
+        ops = cpu_ops.native_ops()
+        q = ops.quant_strip_unpack(self.data, self.n, self.bits, rows)
+        count = self.n if rows is None else rows.numel()
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:  # [S, groups, 16] -> [N or R, groups]
+            flat = t.transpose(1, 2).reshape(-1, t.shape[1])[: self.n]
+            return (flat if rows is None else flat[rows]).contiguous().view(count, -1)
+
+        offset = None if self.offset is None else rows_of(self.offset)
+        return QuantTensor(q, rows_of(self.scale), offset, self.group, self.bits)
+
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """W (or its rows `rows`) as a dense [N or len(rows), K] tensor of `dtype`."""
+        ops = cpu_ops.native_ops()
+        if rows is None and dtype in _FUSED_DTYPES:
+            return ops.quant_strip_dequantize(
+                self.data, self.scale, self.offset, self.n, self.group, self.bits, dtype
+            )
+        return self.unpack(rows).dequantize(dtype)
+
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False
+    ) -> torch.Tensor:
+        """x [..., K] @ W^T (+ bias float32 [N]) -> [..., N] in x's dtype: bf16 x of fewer than
+        STRIP_DEQUANT_ROWS rows on the strip kernel; more rows (prefill), or another dtype,
+        dequantize for torch's GEMM."""
+        if int8_activations:
+            raise ValueError("strips multiply bf16 rows of x; unpack for int8 activations")
+        x2 = x.reshape(-1, x.shape[-1])
+        ops = cpu_ops.native_ops()
+        if x.dtype == torch.bfloat16 and x2.device.type == "cpu" and x2.shape[0] < STRIP_DEQUANT_ROWS:
+            y = ops.quant_strip_linear(
+                x2, self.data, self.scale, self.offset, self.n, self.group, self.bits, bias
+            )
+        else:
+            b = None if bias is None else bias.to(x.dtype)
+            y = F.linear(x2, self.dequantize(x.dtype).to(x.device), b)
+        return y.view(*x.shape[:-1], self.n)
+
+
+def strips_available() -> bool:
+    """Whether StripTensor's kernel runs here (the CPU kernels on an AVX512-BF16 CPU)."""
+    ops = cpu_ops.native_ops()
+    return ops is not None and bool(ops.quant_strips_available())
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:

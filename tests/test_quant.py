@@ -468,3 +468,129 @@ def test_int8_activations_are_served_as_the_loaded_model_computes_them(tiny_gguf
         load_model(tiny_gguf, "float32", quantized_activations="int8")
     with pytest.raises(ValueError, match="quantized_activations must be one of"):
         EngineConfig(quantized_activations="fp8")
+
+
+# ------------------------------------------------------------------ strips (bf16 activations)
+
+strips = pytest.mark.skipif(not quant_ops.strips_available(), reason="strips need AVX512-BF16 kernels")
+
+STRIP_LAYOUTS = [  # bits, N, K, group, offset, float16 scales
+    (4, 45, 576, 32, True, True),  # the default model's Q4_1 (N not a multiple of 16)
+    (4, 64, 256, 128, True, False),  # AWQ / GPTQ groups
+    (4, 17, 64, 32, False, True),
+    (8, 45, 576, 32, False, True),  # Q8_0
+    (8, 33, 96, 16, True, False),  # Q6_K's groups of 16, with an offset (Q5_K)
+    (8, 20, 160, 160, False, False),  # per-channel int8
+]
+
+
+def _ulp_close(y: torch.Tensor, ref: torch.Tensor, k: int) -> bool:
+    """Within a bf16 ulp of the float64 reference (one rounding of a float32 sum)."""
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) - 7)
+    return bool(((y.double() - ref).abs() <= ulp + 1e-6 * k).all())
+
+
+@strips
+@pytest.mark.parametrize("layout", STRIP_LAYOUTS, ids=lambda v: "-".join(map(str, v)))
+def test_strips_hold_the_quant_tensor_exactly(layout):
+    bits, n, k, group, offset, half = layout
+    qt = random_quant(n, k, bits, group, offset, seed=n, half=half)
+    st = quant_ops.StripTensor.pack(qt)
+    assert (st.n, st.k, st.group, st.bits) == (n, k, group, bits)
+    back = st.unpack()
+    for a, b in zip(back.tensors(), qt.tensors()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    rows = torch.tensor([n - 1, 0, 7, 7])
+    assert torch.equal(st.dequantize(rows=rows), qt.dequantize(rows=rows))
+    for dtype in (torch.float32, torch.bfloat16):  # the native strip dequantization, bitwise
+        assert torch.equal(st.dequantize(dtype), qt.dequantize(dtype))
+
+
+@strips
+@pytest.mark.parametrize("layout", STRIP_LAYOUTS, ids=lambda v: "-".join(map(str, v)))
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_the_strip_kernel_rounds_the_exact_sum_once(layout, rows):
+    bits, n, k, group, offset, half = layout
+    qt = random_quant(n, k, bits, group, offset, seed=rows, half=half)
+    st = quant_ops.StripTensor.pack(qt)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7 + rows)).to(torch.bfloat16)
+    bias = torch.randn(n) if rows % 2 else None
+    y = st.linear(x, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    ref = x.double() @ quant_ops.dequantize_torch(qt).double().T + (0 if bias is None else bias.double())
+    assert _ulp_close(y, ref, k)
+
+
+def quantize_like_q8(qt: QuantTensor) -> QuantTensor:
+    return quant_ops.quantize_int8(qt.dequantize())
+
+
+@strips
+def test_a_row_through_the_strip_kernel_does_not_depend_on_the_rows_beside_it():
+    qt = random_quant(40, 256, 4, 32, True, seed=3, half=True)
+    for part in (quant_ops.StripTensor.pack(qt), quant_ops.StripTensor.pack(quantize_like_q8(qt))):
+        x = torch.randn(21, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        whole = part.linear(x)
+        for i in (0, 15, 16, 20):
+            assert torch.equal(part.linear(x[i : i + 1]), whole[i : i + 1])
+
+
+@strips
+def test_strips_dequantize_for_the_gemm_from_their_crossover():
+    qt = random_quant(48, 128, 4, 32, True, seed=5, half=True)
+    st = quant_ops.StripTensor.pack(qt)
+    rows = quant_ops.STRIP_DEQUANT_ROWS
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    bias = torch.randn(48)
+    expected = torch.nn.functional.linear(x, qt.dequantize(torch.bfloat16), bias.to(torch.bfloat16))
+    assert torch.equal(st.linear(x, bias), expected)
+    below = st.linear(x[: rows - 1], bias)  # the strip kernel
+    ref = x[: rows - 1].double() @ quant_ops.dequantize_torch(qt).double().T + bias.double()
+    assert _ulp_close(below, ref, 128)
+    with pytest.raises(ValueError, match="int8"):
+        st.linear(x[:2], int8_activations=True)
+
+
+@strips
+def test_only_layouts_the_strip_kernel_takes_are_packed():
+    odd = random_quant(8, 37, 8, 37, False)  # an 8-bit group that is not a multiple of 16
+    assert not quant_ops.StripTensor.fits(odd)
+    with pytest.raises(ValueError, match="16"):
+        quant_ops.StripTensor.pack(odd)
+    weight = QuantWeight([odd], None)
+    assert not weight.use_strips_(True) and weight.parts[0] is odd
+    assert all(quant_ops.StripTensor.fits(random_quant(16, 64, b, g, False)) for b, g in ((4, 32), (8, 16)))
+
+
+@strips
+def test_int8_activations_lay_strips_back_in_rows():
+    qt = random_quant(32, 128, 4, 32, True, seed=9, half=True)
+    weight = QuantWeight([qt], None)
+    assert weight.use_strips_(True) and isinstance(weight.parts[0], quant_ops.StripTensor)
+    assert sorted(n for n, _ in weight.named_buffers()) == ["t0_0", "t0_1", "t0_2"]
+    weight.int8_activations = True
+    part = weight.parts[0]
+    assert isinstance(part, QuantTensor) and all(
+        torch.equal(a, b) for a, b in zip(part.tensors(), qt.tensors())
+    )
+
+
+@strips
+def test_a_bf16_gguf_model_computes_from_strips_without_a_second_copy(tiny_gguf):
+    from radixserve.workers.models.quant_weight import use_strips_, weight_nbytes
+
+    quant = load_model(tiny_gguf, "bfloat16", quantization="gguf")
+    rows = load_model(tiny_gguf, "bfloat16", quantization="gguf")
+    for module in rows.model.modules():  # the same model with its weights back in rows
+        if isinstance(module, QuantWeight):
+            module.use_strips_(False)
+    parts = [p for m in quant.model.modules() if isinstance(m, QuantWeight) for p in m.parts]
+    assert parts and all(isinstance(p, quant_ops.StripTensor) for p in parts)
+    # the tied LM head and the embedding share one table, in strips
+    assert quant.model.model.embed_tokens.quantized is quant.model.lm_head.quantized.parts[0]
+    padded = sum(16 * -(-p.n // 16) for p in parts) / sum(p.n for p in parts)  # rows padded to 16
+    assert weight_nbytes(quant.model) <= weight_nbytes(rows.model) * padded
+    assert use_strips_(quant.model) == 0  # nothing left to pack
+    qd, rd = ModelDriver(quant.model, quant.config), ModelDriver(rows.model, rows.config)
+    for p in PROMPTS:  # the row kernels' bf16 path against the strips: float32 sums in other orders
+        torch.testing.assert_close(qd.logits_of(p), rd.logits_of(p), rtol=0.02, atol=0.02)

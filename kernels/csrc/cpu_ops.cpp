@@ -9,6 +9,7 @@
 #include "gemm.h"
 #include "lora.h"
 #include "quant_gemm.h"
+#include "quant_strips.h"
 
 using namespace radixserve;
 
@@ -22,11 +23,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [T, 2I]", release());
   py::class_<DecodeLinear>(m, "DecodeLinear", "a projection as a decode step runs it")
       .def(py::init([](torch::Tensor w, int64_t n, c10::optional<torch::Tensor> scale,
-                       c10::optional<torch::Tensor> offset, int64_t group, int64_t bits, bool int8_x) {
-             return DecodeLinear{std::move(w), n, std::move(scale), std::move(offset), group, bits, int8_x};
+                       c10::optional<torch::Tensor> offset, int64_t group, int64_t bits, bool int8_x, bool strips) {
+             TORCH_CHECK(!(int8_x && strips), "strips multiply bf16 rows of x");
+             return DecodeLinear{std::move(w), n, std::move(scale), std::move(offset), group, bits, int8_x, strips};
            }),
            py::arg("weight"), py::arg("n"), py::arg("scale") = py::none(), py::arg("offset") = py::none(),
-           py::arg("group") = 0, py::arg("bits") = 0, py::arg("int8_x") = false);
+           py::arg("group") = 0, py::arg("bits") = 0, py::arg("int8_x") = false, py::arg("strips") = false);
   py::class_<DecodeLayer>(m, "DecodeLayer", "one dense decoder layer's weights")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps, DecodeLinear qkv, DecodeLinear o,
                        DecodeLinear gate_up, DecodeLinear down) {
@@ -95,6 +97,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether quant_linear_int8_x has its integer path here (AVX2)");
+  m.def("quant_strip_pack", &quant_strip_pack, "a row-layout weight in strips of 16 rows: [data, scale(, offset)]");
+  m.def("quant_strip_unpack", &quant_strip_unpack, "strips' integers (or some rows') back in the row layout");
+  m.def("quant_strip_dequantize", &quant_strip_dequantize, "a weight in strips as a dense [N, K] tensor", release());
+  m.def("quant_strips_available", &quant_strips_available, "whether quant_strip_linear was built (AVX512-BF16)");
+  m.def("quant_strip_linear", &quant_strip_linear, "bf16 x @ W^T (+ bias) for a weight in strips", release());
   m.def("quant_dequantize", &quant_dequantize, "a group-quantized W (or some of its rows) as a dense tensor",
         release());
   m.def("lora_bgmv_", &lora_bgmv_, "y += each row's LoRA delta from its own adapter slot (decode rows)",

@@ -2,7 +2,7 @@
 
 // The dense decoder layers (Llama family: fused qkv, neox rotary, GQA, gated SiLU MLP, RMSNorm, no
 // biases) of a decode step as native calls, for layers whose projections run the packed bf16 GEMM
-// or the quantized kernel. The layers' ops then follow each other without a return to Python in
+// or a quantized kernel. The layers' ops then follow each other without a return to Python in
 // between (on the default model a batch-1 decode step spent ~3 of its ~7 ms outside the kernels),
 // and the GIL is released once for all of them. The ops are the very functions the Python path
 // calls, with the same arguments, so the results are bitwise its own.
@@ -11,21 +11,24 @@
 #include "elementwise.h"
 #include "gemm.h"
 #include "quant_gemm.h"
+#include "quant_strips.h"
 
 namespace radixserve {
 
 // One projection as Linear runs it for a decode step: the packed bf16 GEMM, or the quantized
-// kernel over one group-quantized weight (QuantTensor's fields; `int8_x`: the integer path).
+// kernel over one group-quantized weight (QuantTensor's fields; `int8_x`: the integer path), or
+// over one in strips (StripTensor's fields, `strips`).
 struct DecodeLinear {
-  torch::Tensor weight;  // packed bf16, or the quantized integers
+  torch::Tensor weight;  // packed bf16, or the quantized integers (in rows or strips)
   int64_t n = 0;
   c10::optional<torch::Tensor> scale, offset;  // set for a quantized weight
   int64_t group = 0, bits = 0;
-  bool int8_x = false;
+  bool int8_x = false, strips = false;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     const c10::optional<torch::Tensor> no_bias;
     if (!scale.has_value()) return packed_linear(x, weight, n, no_bias, false);
+    if (strips) return quant_strip_linear(x, weight, *scale, offset, n, group, bits, no_bias);
     return quant_linear(x, weight, *scale, offset, group, bits, no_bias, int8_x);
   }
 };

@@ -38,6 +38,7 @@ from radixserve.workers.models.quant_weight import (
     quantize_int8_,
     quantize_modules_,
     set_activations_,
+    use_strips_,
 )
 from radixserve.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
@@ -347,4 +348,6 @@ def load_model(
         model.pack_weights(packed_gemm_crossover(model))
     if set_activations_(model, quantized_activations) == 0 and quantized_activations != "float":
         raise ValueError("quantized_activations int8 multiplies quantized weights; this model has none")
+    if torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        use_strips_(model)  # bf16 rows of x: the quantized weights in strips where that kernel runs
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)

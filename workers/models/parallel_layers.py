@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.kernels.quant_ops import QuantTensor
+from radixserve.kernels.quant_ops import QuantTensor, StripTensor
 from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.parallel import padded_range
 from radixserve.workers.models.linear import Linear, Range, narrow
@@ -66,15 +66,17 @@ class VocabParallelEmbedding(nn.Module):
         self.lo, self.hi, block = padded_range(vocab_size, group.world_size, group.rank)
         self.weight = nn.Parameter(torch.empty(block, hidden_size, dtype=dtype), requires_grad=False)
         self.dtype = dtype
-        self.quantized: QuantTensor | None = None  # the rows, once quantize_ replaced the weight
+        self.quantized: QuantTensor | StripTensor | None = None  # once quantize_ replaced the weight
 
-    def quantize_(self, weight: QuantTensor) -> None:
+    def quantize_(self, weight: QuantTensor | StripTensor) -> None:
         """Look rows up in `weight` (the loaded table, quantized) from now on; the plain table is
         released."""
         if self.group.world_size != 1:
             raise ValueError("a quantized embedding runs at tp_size 1")
         self.quantized = weight
         self.weight = None  # type: ignore[assignment]
+        for name in [n for n in self._buffers if n.startswith("q")]:
+            del self._buffers[name]
         for i, t in enumerate(weight.tensors()):
             self.register_buffer(f"q{i}", t, persistent=False)
 

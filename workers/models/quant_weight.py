@@ -5,7 +5,8 @@ channel (kernels/quant_ops.quantize_int8), from whatever the checkpoint holds. `
 gguf` keeps a GGUF file's own blocks (workers/models/gguf_weights.py); AWQ / GPTQ /
 compressed-tensors checkpoints arrive quantized (workers/models/packed_checkpoints.py). Under
 tensor parallelism each rank holds the slice of its projections: int8 quantizes the slice (a row's
-scale over the columns the rank holds), the others cut theirs along whole groups.
+scale over the columns the rank holds), the others cut theirs along whole groups. A bf16 model on
+an AVX512-BF16 CPU then lays its projections out in strips (`use_strips_`, quant_ops.StripTensor).
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from radixserve.kernels.quant_ops import QuantTensor, cat_rows, quantize_int8
+from radixserve.kernels.quant_ops import (
+    QuantTensor,
+    StripTensor,
+    cat_rows,
+    quantize_int8,
+    strips_available,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +47,64 @@ class QuantWeight(nn.Module):
                 joined[-1].append(part)
             else:
                 joined.append([part])
-        self.parts = [group[0] if len(group) == 1 else cat_rows(group) for group in joined]
+        self.parts: list[QuantTensor | StripTensor] = [
+            group[0] if len(group) == 1 else cat_rows(group) for group in joined
+        ]
         self.bounds = [0]
-        for part in self.parts:
-            self.bounds.append(self.bounds[-1] + part.n)
+        for joined_part in self.parts:
+            self.bounds.append(self.bounds[-1] + joined_part.n)
         self.out_features = self.bounds[-1]
-        self.int8_activations = False  # set_activations_: decode rows multiplied as int8
+        self._int8_activations = False  # decode rows multiplied as int8 (set_activations_)
         self.bias_f32 = None if bias is None else bias.float().contiguous()
-        # Registered so that parameters() counts (and state_dict shows) what the weight holds.
-        for i, part in enumerate(self.parts):
-            for j, t in enumerate(part.tensors()):
-                self.register_buffer(f"t{i}_{j}", t, persistent=False)
+        self._register_parts()
         if self.bias_f32 is not None:
             self.register_buffer("bias", self.bias_f32, persistent=False)
 
-    @classmethod
-    def int8(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantWeight:
-        return cls([quantize_int8(weight)], bias)
+    def _register_parts(self) -> None:
+        # Registered so that parameters() counts (and state_dict shows) what the weight holds.
+        for name in [n for n in self._buffers if n.startswith("t")]:
+            del self._buffers[name]
+        for i, part in enumerate(self.parts):
+            for j, t in enumerate(part.tensors()):
+                self.register_buffer(f"t{i}_{j}", t, persistent=False)
+
+    @property
+    def int8_activations(self) -> bool:
+        return self._int8_activations
+
+    @int8_activations.setter
+    def int8_activations(self, on: bool) -> None:
+        if on:
+            self.use_strips_(False)  # strips multiply bf16 rows only
+        self._int8_activations = on
+
+    def use_strips_(self, on: bool, shared: dict[int, StripTensor] | None = None) -> bool:
+        """Lay the parts out in strips (StripTensor; bf16 activations, AVX512-BF16 CPUs) or back
+        in rows. `shared`: parts already packed elsewhere, by their integers' data_ptr, reused
+        (and this call's packings added). Returns whether any part changed."""
+        changed = False
+        parts: list[QuantTensor | StripTensor] = []
+        for part in self.parts:
+            if (
+                on
+                and isinstance(part, QuantTensor)
+                and part.qweight.device.type == "cpu"
+                and StripTensor.fits(part)
+            ):
+                key = part.qweight.data_ptr()
+                strip = (shared or {}).get(key) or StripTensor.pack(part)
+                if shared is not None:
+                    shared[key] = strip
+                parts.append(strip)
+                changed = True
+            elif not on and isinstance(part, StripTensor):
+                parts.append(part.unpack())
+                changed = True
+            else:
+                parts.append(part)
+        self.parts = parts
+        self._register_parts()
+        return changed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         i8 = self.int8_activations
@@ -99,8 +147,9 @@ def quantize_int8_(model: nn.Module) -> int:
     tables: dict[int, QuantTensor] = {}  # weight storage -> its int8 table
     for module in model.modules():
         if isinstance(module, Linear):
-            quantized = QuantWeight.int8(module.weight.data, module.bias)
-            tables[module.weight.data_ptr()] = quantized.parts[0]
+            table = quantize_int8(module.weight.data)
+            quantized = QuantWeight([table], module.bias)
+            tables[module.weight.data_ptr()] = table
             module.quantize_(quantized)
             count += 1
     for module in model.modules():
@@ -195,6 +244,29 @@ def weight_nbytes(model: nn.Module) -> int:
         if isinstance(module, QuantWeight) or getattr(module, "quantized", None) is not None:
             tensors += list(module.buffers(recurse=False))
     return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
+
+
+def use_strips_(model: nn.Module) -> int:
+    """Lay every quantized projection of a bf16 `model` computing with float activations out in
+    strips (kernels/quant_ops.StripTensor) where their kernel runs (AVX512-BF16); an embedding
+    table that is also the LM head's weight (tied) is replaced by the same strips, so one copy
+    serves both. Returns how many projections changed."""
+    from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
+
+    if not strips_available():
+        return 0
+    shared: dict[int, StripTensor] = {}
+    count = 0
+    for module in model.modules():
+        if isinstance(module, QuantWeight) and not module.int8_activations:
+            count += module.use_strips_(True, shared)
+    for module in model.modules():
+        table = getattr(module, "quantized", None)
+        if isinstance(module, VocabParallelEmbedding) and isinstance(table, QuantTensor):
+            strip = shared.get(table.qweight.data_ptr())
+            if strip is not None:
+                module.quantize_(strip)
+    return count
 
 
 def set_activations_(model: nn.Module, activations: str) -> int:
