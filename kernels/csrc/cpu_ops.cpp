@@ -97,8 +97,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether quant_linear_int8_x has its integer path here (AVX2)");
-  m.def("quant_strip_pack", &quant_strip_pack, "a row-layout weight in strips of 16 rows: [data, scale(, offset)]");
-  m.def("quant_strip_unpack", &quant_strip_unpack, "strips' integers (or some rows') back in the row layout");
+  m.def("quant_strip_pack", &quant_strip_pack, "a row-layout weight in strips of 16 rows: [data, scale(, offset)]",
+        release());
+  m.def("quant_strip_unpack", &quant_strip_unpack, "strips' integers (or some rows') back in the row layout",
+        release());
   m.def("quant_strip_dequantize", &quant_strip_dequantize, "a weight in strips as a dense [N, K] tensor", release());
   m.def("quant_strips_available", &quant_strips_available, "whether quant_strip_linear was built (AVX512-BF16)");
   m.def("quant_strip_linear", &quant_strip_linear, "bf16 x @ W^T (+ bias) for a weight in strips", release());

@@ -66,7 +66,7 @@ inline int64_t strips_k(const torch::Tensor& data, int64_t bits) { return data.s
 }  // namespace strip_detail
 
 // A row-layout weight (quant_gemm.h) -> [data, scale, (offset)] in strips. Load-time work, plain
-// loops. 4 bits: any (groups are multiples of 32); 8 bits: groups of a multiple of 16.
+// loops over the rows in parallel. 4 bits: any (groups are multiples of 32); 8 bits: groups of a multiple of 16.
 inline std::vector<torch::Tensor> quant_strip_pack(const torch::Tensor& q, const torch::Tensor& scale,
                                                    const c10::optional<torch::Tensor>& offset, int64_t group,
                                                    int64_t bits) {
@@ -76,20 +76,23 @@ inline std::vector<torch::Tensor> quant_strip_pack(const torch::Tensor& q, const
   torch::Tensor data = bits == 4 ? torch::zeros({strips, k / 8, 64}, q.options())
                                  : torch::zeros({strips, k / 2, kStripCols, 2}, q.options());
   auto* dp = static_cast<uint8_t*>(data.data_ptr());
-  for (int64_t j = 0; j < w.n; ++j) {
-    const uint8_t* row = w.row(j);
-    for (int64_t c = 0; c < k; ++c) {
-      bool high = false;
-      const int64_t at = strip_detail::locate(j, c, k, bits, &high);
-      if (bits == 8) {
-        dp[at] = row[c];
-      } else {
-        const uint8_t byte = row[(c / 32) * 16 + c % 16];
-        const uint8_t v = (c % 32) < 16 ? byte & 15 : byte >> 4;
-        dp[at] = static_cast<uint8_t>(high ? (dp[at] & 0x0F) | (v << 4) : (dp[at] & 0xF0) | v);
+  // Rows in parallel: a byte of the strips holds integers of one row only.
+  parallel_for(0, w.n, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const uint8_t* row = w.row(j);
+      for (int64_t c = 0; c < k; ++c) {
+        bool high = false;
+        const int64_t at = strip_detail::locate(j, c, k, bits, &high);
+        if (bits == 8) {
+          dp[at] = row[c];
+        } else {
+          const uint8_t byte = row[(c / 32) * 16 + c % 16];
+          const uint8_t v = (c % 32) < 16 ? byte & 15 : byte >> 4;
+          dp[at] = static_cast<uint8_t>(high ? (dp[at] & 0x0F) | (v << 4) : (dp[at] & 0xF0) | v);
+        }
       }
     }
-  }
+  });
   const auto spread = [&](const torch::Tensor& t) {  // [N, groups] -> [S, groups, 16], zero rows past N
     torch::Tensor padded = torch::zeros({strips * kStripCols, w.groups}, t.options());
     padded.narrow(0, 0, w.n).copy_(t);
