@@ -9,6 +9,7 @@ Decode rates are medians of --rounds rounds in which the models take turns.
 
     python -m load_tests.bench_quant [--model PATH] [--dtype auto] [--quantization int8,gguf,gguf:int8]
     python -m load_tests.bench_quant --crossover   # fused kernels vs dequantize + GEMM, per rows
+    python -m load_tests.bench_quant --strips-crossover   # bf16 rows: row layout, strips, GEMMs
 """
 
 from __future__ import annotations
@@ -149,6 +150,63 @@ def crossover() -> None:
                 )
 
 
+def strips_crossover(rounds: int = 20) -> None:
+    """bf16 rows of x on an AVX512-BF16 CPU: the row-layout kernel, the strip kernel
+    (quant_ops.StripTensor), the strips dequantized + torch's GEMM, and the packed bf16 GEMM on the
+    dequantized weight, per row count, on the default model's projection shapes (Q4_1: 4 bits,
+    group 32, float16 scale and offset; the LM head Q8_0). Best of `rounds`; where the strips meet
+    dequantize + GEMM sets quant_ops.STRIP_DEQUANT_ROWS."""
+    ops = cpu_ops.native_ops()
+    if not quant_ops.strips_available() or not cpu_ops.gemm_available(torch.bfloat16, torch.device("cpu")):
+        raise SystemExit("the strips need the CPU extension on an AVX512-BF16 CPU")
+    g = torch.Generator().manual_seed(0)
+
+    def q4(n: int, k: int) -> QuantTensor:
+        values = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scale = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        return QuantTensor(quant_ops.pack_int4(values), scale, -8 * scale, 32, 4)
+
+    def q8(n: int, k: int) -> QuantTensor:
+        values = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        return QuantTensor(values, (torch.rand(n, k // 32, generator=g) * 0.01).half(), None, 32, 8)
+
+    shapes = {
+        "qkv q4": q4(960, 576),
+        "gate_up q4": q4(3072, 576),
+        "down q4": q4(576, 1536),
+        "head q8": q8(49152, 576),
+    }
+
+    def best(f, *args) -> float:
+        f(*args)
+        out = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            f(*args)
+            out.append(time.perf_counter() - t0)
+        return min(out) * 1e6
+
+    def dequant_gemm(x: torch.Tensor, strips: quant_ops.StripTensor) -> torch.Tensor:
+        return F.linear(x, strips.dequantize(torch.bfloat16))
+
+    for label, qt in shapes.items():
+        strips = quant_ops.StripTensor.pack(qt)
+        packed = cpu_ops.pack_linear_weight(qt.dequantize(torch.bfloat16))
+        for rows in (1, 4, 16, 64, 128, 192, 256, 512):
+            x = torch.randn(rows, qt.k, generator=g).to(torch.bfloat16)
+            args = (strips.data, strips.scale, strips.offset, strips.n, strips.group, strips.bits, None)
+            times = [
+                best(qt.linear, x, None, sys.maxsize),  # the row layout's kernel
+                best(ops.quant_strip_linear, x, *args),
+                best(dequant_gemm, x, strips),
+                best(ops.packed_linear, x, packed, qt.n, None),
+            ]
+            print(
+                f"{label:10s} N={qt.n:5d} K={qt.k:4d} rows={rows:3d}: rows {times[0]:8.0f} us  "
+                f"strips {times[1]:8.0f} us  dequant+gemm {times[2]:8.0f} us  packed bf16 {times[3]:8.0f} us"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -163,9 +221,12 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--crossover", action="store_true")
+    p.add_argument("--strips-crossover", action="store_true")
     args = p.parse_args()
     if args.crossover:
         return crossover()
+    if args.strips_crossover:
+        return strips_crossover()
     modes = ["none", *args.quantization.split(",")]
     loaded = {}
     for m in modes:  # "gguf:int8" = quantization gguf with int8 activations

@@ -1,16 +1,17 @@
 """Decode steps with the decoder layers in one native call give bitwise the modules' logits (packed
-bf16 weights, and the default model's GGUF blocks in bf16 and float32, with float and int8
-activations), and the fused path stays off wherever it would not run the modules' own kernels."""
+bf16 weights, and the default model's GGUF blocks in bf16 (in strips) and float32, with float and
+int8 activations), and the fused path stays off wherever it would not run the modules' own kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from radixserve.kernels import cpu_ops
+from radixserve.kernels import cpu_ops, quant_ops
 from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.models.fused_decode import FusedDecode
 from radixserve.workers.models.loader import load_model
+from radixserve.workers.models.quant_weight import QuantWeight
 from tests.model_driver import ModelDriver, make_batch
 
 needs_gemm = pytest.mark.skipif(
@@ -100,3 +101,13 @@ def test_not_where_the_modules_run_other_kernels():
     assert FusedDecode.build(load_model(None, dtype="bfloat16", deterministic=True).model) is None
     # float32 weights: no packed GEMM.
     assert FusedDecode.build(load_model(None, dtype="float32").model) is None
+
+
+@pytest.mark.skipif(not quant_ops.strips_available(), reason="strips need AVX512-BF16 kernels")
+def test_a_bf16_gguf_model_decodes_through_its_strips():
+    model = load_model(None, dtype="bfloat16", quantization="gguf").model
+    parts = [p for m in model.modules() if isinstance(m, QuantWeight) for p in m.parts]
+    assert parts and all(isinstance(p, quant_ops.StripTensor) for p in parts)
+    fused = FusedDecode.build(model)
+    # below the strips' dequantize crossover, where the modules run the strip kernel too
+    assert fused is not None and fused.max_rows == quant_ops.STRIP_DEQUANT_ROWS

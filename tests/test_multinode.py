@@ -42,7 +42,11 @@ pytestmark = pytest.mark.slow  # starts a multi-node Ray cluster and a live Serv
 REPO = Path(__file__).resolve().parents[1]
 APP = "radixserve"
 KV_TOTAL = 4096
-LONG = 300  # tokens a long stream generates: many seconds at one thread on a shared machine
+LONG = 300  # tokens a long stream generates: seconds at one thread on a shared machine
+# Streams that must outlast a rolling update's start of new replicas (model load included) while
+# the old ones drain: with the default model's decode at 150+ tokens/s a thread, LONG ended first.
+# Three of them still fit one replica's KV_TOTAL.
+DRAIN = 1200
 WORDS = "river garden music window table paper market light voice field song planet ocean".split()
 
 
@@ -325,7 +329,7 @@ def check_drained(streams: list[Stream], watch: ReplicaWatch) -> None:
         s.wait(timeout_s=400)
     watch.close()
     assert [(s.status, s.error, s.finish_reason) for s in streams] == [(200, None, "length")] * len(streams)
-    assert [s.completion_tokens for s in streams] == [LONG] * len(streams)
+    assert [s.completion_tokens for s in streams] == [DRAIN] * len(streams)
     # Not vacuous: a replica was being drained while streams still produced tokens.
     assert watch.first_stopping is not None
     assert max(t for s in streams for t in s.chunk_times) > watch.first_stopping
@@ -333,7 +337,7 @@ def check_drained(streams: list[Stream], watch: ReplicaWatch) -> None:
 
 def test_rolling_update_fails_no_request(env):
     before = set(replica_nodes())
-    streams = [Stream(env.url, group) for group in range(20, 24)]
+    streams = [Stream(env.url, group, DRAIN) for group in range(20, 24)]
     wait_for("every stream's first tokens", lambda: all(s.started() for s in streams), timeout_s=180)
     watch = ReplicaWatch()
     deploy(serve_config(env.port, max_running_requests=32))  # a changed engine argument
@@ -350,7 +354,7 @@ def test_rolling_update_fails_no_request(env):
 def test_scale_down_drains(env):
     before = set(replica_nodes())
     assert len(before) == 2
-    streams = [Stream(env.url, group) for group in range(40, 44)]
+    streams = [Stream(env.url, group, DRAIN) for group in range(40, 44)]
     wait_for("every stream's first tokens", lambda: all(s.started() for s in streams), timeout_s=180)
     running = {r["replica_id"]: r["running"] for r in server_info(env)["replicas"]}
     assert all(running[r] >= 1 for r in before), running  # both replicas hold streams

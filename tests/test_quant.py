@@ -422,8 +422,10 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     [
         (4, 256, 32, True, True),
         (4, 256, 128, True, False),
+        (4, 160, 32, True, True),  # an odd number of blocks (two at a time with AVX-512 VNNI)
         (8, 256, 32, False, True),
         (8, 128, 128, True, False),
+        (8, 96, 32, False, False),
     ],
 )
 @pytest.mark.parametrize("rows", [1, 5, 17, 40])

@@ -5,20 +5,19 @@ attention); on a CPU the Python between them is a large part of the step (on the
 batch 1 about 3 of 7 ms). `FusedDecode` runs the layers through the extension's `DecodeStack`,
 which calls the same kernels with the same arguments as the modules do, so the output is bitwise
 the Python path's. It applies only where that path would run exactly those kernels: every
-projection on the packed bf16 GEMM or on a quantized kernel (one layout; in rows, the step's row
-count below its dequantize crossover), no biases, no LoRA, no tensor parallelism, the plain attention
+projection on the packed bf16 GEMM or on a quantized kernel (one layout, the step's row count
+below its dequantize crossover), no biases, no LoRA, no tensor parallelism, the plain attention
 and MLP, the CPU backend outside batch-invariant mode.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
 from radixserve.kernels import cpu_ops
-from radixserve.kernels.quant_ops import DEQUANT_ROWS, StripTensor
+from radixserve.kernels.quant_ops import DEQUANT_ROWS, STRIP_DEQUANT_ROWS, StripTensor
 from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.models.forward_batch import ForwardBatch
 from radixserve.workers.models.linear import Linear
@@ -123,11 +122,11 @@ def _decode_linear(native: Any, m: Linear) -> tuple[Any, int] | None:
     if type(q) is not QuantWeight or len(q.parts) != 1 or q.bias_f32 is not None:
         return None
     part = q.parts[0]
-    if isinstance(part, StripTensor):  # one kernel at every row count
+    if isinstance(part, StripTensor):
         strips = native.DecodeLinear(
             part.data, part.n, part.scale, part.offset, part.group, part.bits, strips=True
         )
-        return strips, sys.maxsize
+        return strips, STRIP_DEQUANT_ROWS
     if part.qweight.device.type != "cpu":
         return None
     linear = native.DecodeLinear(
