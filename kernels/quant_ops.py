@@ -44,9 +44,11 @@ from radixserve.kernels import cpu_ops
 # Rows from which dequantize + torch GEMM beats the fused kernel (load_tests/bench_quant.py
 # --crossover measures it; 2-core AVX2 host, SmolLM2-135M shapes, float32 activations).
 DEQUANT_ROWS = {4: 32, 8: 32}
-# Rows from which dequantize + torch GEMM beats the strip kernel (StripTensor; 2-core AVX512-BF16
-# host, the default model's 4-bit projections: strips take 0.88x its time at 128 rows, 1.11x at
-# 255).
+# Rows from which dequantize + torch GEMM beats the strip kernel (StripTensor): load_tests/
+# bench_quant.py --strips-crossover, 2-core AVX512-BF16 host, the default model's 4-bit shapes:
+# at 192 rows the strips took 0.93x (qkv), 1.00x (gate_up), 1.27x (down) its time, at 256 rows
+# 1.14x, 1.02x, 1.32x. (The 49152-row LM head dequantizes slower than it computes up to 512 rows;
+# only sampled rows reach it.)
 STRIP_DEQUANT_ROWS = 192
 # Rows of x below which int8 activations take the integer kernel (csrc/quant_gemm.h kInt8Rows;
 # from there the float tile path is faster).

@@ -7,7 +7,9 @@
    all of the default model's projections plus its LM head, at decode and prefill row counts, and
    the crossover row count that the model loader's probe (kernels/gemm_crossover.py) picks here.
 2. Decode attention: the native kernel against the torch fallback (gather + two batched matmuls),
-   over a paged pool with unrelated sequences and with sequences sharing a 1000-token prefix.
+   over a paged pool with unrelated sequences and with sequences sharing a 1000-token prefix; and
+   a whole step's attention (30 layers' pools) at the serving benchmarks' sizes, with the K/V
+   bytes it reads and their rate.
 3. OpenMP teams: one decode forward timed on the thread that loaded the model's team and on a
    thread started after another thread's team exists (workers/executor/cpu_runtime.py explains why the
    engine loads on a short-lived thread).
@@ -126,6 +128,37 @@ def bench_decode_attention(batch: int, length: int, shared: int) -> dict[str, An
     return {"native_us": 1e6 * t_native, "torch_us": 1e6 * t_torch}
 
 
+def bench_decode_attention_step(batch: int, length: int, shared: int, layers: int = LAYERS) -> dict[str, Any]:
+    """A whole decode step's attention: `layers` layers, each with a K/V pool of its own (as the
+    model's), so that the step reads its K/V from memory rather than from a cache that one
+    layer's pool fits; all `batch` sequences share their first `shared` slots. Prints the K/V
+    bytes the step reads once per sequence and the rate that makes: what a smaller cache dtype
+    would save where this rate is the memory's."""
+    gen = torch.Generator().manual_seed(2)
+    own = length - shared
+    slots = shared + batch * own
+    rows = [list(range(shared)) + list(range(shared + b * own, shared + (b + 1) * own)) for b in range(batch)]
+    kv, lens = torch.tensor(rows), torch.full((batch,), length)
+    k_bufs = [torch.randn(slots, 3, 64, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    v_bufs = [torch.randn(slots, 3, 64, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    q = torch.randn(batch, 9, 64, generator=gen).to(torch.bfloat16)
+    native, scale = cpu_ops.native_ops(), 1 / math.sqrt(64)
+
+    def step() -> None:
+        for k_buf, v_buf in zip(k_bufs, v_bufs):
+            native.decode_attention(q, k_buf, v_buf, kv, lens, scale)
+
+    t = timed(step)
+    read = batch * length * 3 * 64 * 2 * 2 * layers  # K and V rows per sequence, bf16
+    label = f"B={batch} L={length}" + (f" (all share {shared})" if shared else "")
+    print(
+        f"decode attention step, {layers} layers, {label}: {1e3 * t:6.2f} ms, "
+        f"{read / 1e6:.0f} MB of K/V rows read, {read / t / 1e9:.1f} GB/s",
+        flush=True,
+    )
+    return {"ms": 1e3 * t, "kv_mb": read / 1e6}
+
+
 def bench_openmp_teams(batch: int = 16, length: int = 100) -> dict[str, Any]:
     """A decode forward of the default model on the thread whose OpenMP team is the only one,
     then on a new thread while another thread's team exists."""
@@ -198,6 +231,9 @@ def main(argv=None) -> int:
         res["decode_attention"] = {
             "unrelated": bench_decode_attention(16, 100, 0),
             "shared_prefix": bench_decode_attention(64, 1100, 1000),
+            # the serving benchmarks' shared-prompt workload: 8 running, ~767 tokens each
+            "step_unrelated": bench_decode_attention_step(8, 767, 0),
+            "step_shared_prefix": bench_decode_attention_step(8, 767, 700),
         }
 
     worker = threading.Thread(target=kernels)
