@@ -189,8 +189,8 @@ class StripTensor:
     """A QuantTensor's weight in strips of 16 rows (csrc/quant_strips.h), for bf16 activations on
     AVX512-BF16 CPUs: the same integers, scales and offsets, laid out so that many rows of x share
     each read of the weight as the packed bf16 GEMM does (one row of x as fast as the row layout's
-    kernel or faster; 16 rows about the packed bf16 GEMM's time on the default model, where the row
-    layout took twice that). `pack` makes one from a QuantTensor and `unpack` gives that back
+    kernel or faster; 16 rows about the packed bf16 GEMM's time on the default model's shapes,
+    where the row layout took two to five times that: bench_quant --strips-crossover). `pack` makes one from a QuantTensor and `unpack` gives that back
     exactly."""
 
     data: torch.Tensor  # 4 bits: uint8 [S, K / 8, 64]; 8 bits: int8 [S, K / 2, 16, 2]
