@@ -365,7 +365,10 @@ HELP = {
     "counts 8); beyond it requests get 503",
     "chunked_prefill_size": "prefill chunk size in tokens (-1 disables chunking)",
     "enable_mixed_chunk": "a prefill step also carries every running decode (decodes never wait "
-    "behind a prefill; load_tests/bench_serving.py --mixed measures it)",
+    "behind a prefill; load_tests/bench_mixed.py measures it)",
+    "mixed_step_ratio": "a mixed step carries as many prefill tokens as keep it near this many decode "
+    "steps' time, learned from the steps run: bounds the decodes' inter-token latency while prompts "
+    "arrive, at the price of their TTFT (2.5: ITL p99 / p50 under 3; <= 1: the whole chunk)",
     "schedule_policy": " | ".join(SCHEDULE_POLICIES),
     "disable_radix_cache": "turn prefix caching off",
     "deterministic": "batch-invariant kernels: a seeded request gives bitwise the same tokens whatever "

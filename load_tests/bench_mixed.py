@@ -2,17 +2,18 @@
 
 Workload: --decoders streams of --decode-prompt tokens decode --decode-out tokens each (greedy,
 ignore_eos); once they all decode, --long prompts of --long-prompt tokens arrive, one every
---gap-s, each with --long-out output tokens. Measured per mode (`enable_mixed_chunk` off / on),
+--gap-s, each with --long-out output tokens. Measured per mode (`enable_mixed_chunk` off; on with
+the whole chunk per step, the default; on with --mixed-step-ratio bounding a mixed step's time),
 on an engine of its own (one at a time: two engines in one process throttle each other's OpenMP
 teams), --repeats rounds alternating which mode goes first:
   itl p50 / p99 / max  the decoding streams' gaps between chunks (ms), over the whole run
   p99/p50              the tail ratio the scheduler makes (the target: <= 3)
   ttft                 the long prompts' time to first token (median, ms)
   wall                 the whole workload (s)
-The tokens of every stream are compared across the modes (greedy: they should agree; a
+The tokens of every stream are compared with mixed off's (greedy: they should agree; a
 difference is reported, as bf16 kernels of the two step kinds may round apart).
 
-    python -m load_tests.bench_mixed                      # ~2 minutes on 2 cores
+    python -m load_tests.bench_mixed                      # ~3 minutes on 2 cores
     python -m load_tests.bench_mixed --repeats 3 --json results/mixed.json
 """
 
@@ -84,22 +85,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-out", type=int, default=8)
     ap.add_argument("--gap-s", type=float, default=0.3)
     ap.add_argument("--chunked-prefill-size", type=int, default=512)
+    ap.add_argument("--mixed-step-ratio", type=float, default=2.5, help="the third mode's")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     from radixserve.workers import Engine
 
-    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
-    tokens: dict[bool, list[list[int]]] = {}
+    modes = {
+        "mixed off": {"enable_mixed_chunk": False},
+        "mixed, whole chunk": {"enable_mixed_chunk": True, "mixed_step_ratio": 0.0},
+        f"mixed, ratio {args.mixed_step_ratio:g}": {
+            "enable_mixed_chunk": True,
+            "mixed_step_ratio": args.mixed_step_ratio,
+        },
+    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
+    tokens: dict[str, list[list[int]]] = {}
     for k in range(args.repeats):
-        for mixed in (False, True) if k % 2 == 0 else (True, False):
+        for name in list(modes) if k % 2 == 0 else list(modes)[::-1]:
             engine = Engine(
                 args.model_path,
                 chunked_prefill_size=args.chunked_prefill_size,
-                enable_mixed_chunk=mixed,
                 enable_overlap=False,
                 stream_interval_ms=0,  # a chunk per step: the gaps measured are the scheduler's
+                **modes[name],
             )
             try:
                 engine.generate(input_ids=[[1000, 1001, 1002]], sampling_params={"max_new_tokens": 2})
@@ -107,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                 r["mixed_steps"] = engine.stats()["mixed_steps_total"]
             finally:
                 engine.shutdown()
-            tokens[mixed] = r.pop("tokens")
-            runs[mixed].append(r)
+            tokens[name] = r.pop("tokens")
+            runs[name].append(r)
     report: dict[str, Any] = {}
-    for mixed, rs in runs.items():
+    for name, rs in runs.items():
         gaps = [g for r in rs for g in r["gaps"]]
         p50, p99 = percentile(gaps, 0.5), percentile(gaps, 0.99)
         row = {
@@ -122,11 +132,13 @@ def main(argv: list[str] | None = None) -> int:
             "wall_s": round(statistics.median(r["wall"] for r in rs), 2),
             "mixed_steps": rs[-1]["mixed_steps"],
         }
-        report["mixed on" if mixed else "mixed off"] = row
-        print(f"{'mixed on ' if mixed else 'mixed off'}: " + "  ".join(f"{k} {v}" for k, v in row.items()))
-    same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
-    report["streams_identical"] = f"{same}/{len(tokens[False])}"
-    print(f"streams with identical tokens across the modes: {report['streams_identical']}")
+        report[name] = row
+        print(f"{name:>20}: " + "  ".join(f"{k} {v}" for k, v in row.items()))
+    ref = tokens["mixed off"]
+    for name in list(modes)[1:]:
+        same = sum(a == b for a, b in zip(ref, tokens[name]))
+        report[f"streams_identical ({name})"] = f"{same}/{len(ref)}"
+        print(f"streams with the same tokens as mixed off ({name}): {same}/{len(ref)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

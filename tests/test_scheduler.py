@@ -5,7 +5,7 @@ import pytest
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.scheduler import Scheduler
-from radixserve.workers.executor.plan import BatchKind
+from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.mem_cache.prefix_cache import NullCache, kv_invariant_ok
 from radixserve.workers.mem_cache.radix_cache import RadixCache
@@ -110,8 +110,9 @@ def test_lpm_in_batch_dedup_defers_shared_prefix():
 def test_lpm_dedup_defers_behind_a_chunked_prefill_of_the_same_prefix():
     """A fork's branches on a cold cache, the shared part longer than a chunk: the others wait
     while the first one's chunks are computed (each published as it lands), never computing one
-    of its chunks beside it, and then reuse the whole shared part."""
-    sched, pool, cache = make(chunked_prefill_size=64)
+    of its chunks beside it, and then reuse the whole shared part (steps unmixed: each counts
+    only prefill tokens)."""
+    sched, pool, cache = make(chunked_prefill_size=64, enable_mixed_chunk=False)
     shared = list(range(500, 600))
     reqs = [req(f"r{i}", shared + [i + 1, i + 2]) for i in range(3)]
     outs, plans = run(sched, reqs)
@@ -332,6 +333,33 @@ def test_mixed_steps_carry_every_decode_and_change_no_output(pool_tokens, optimi
     assert carried and any(n > 1 for p in carried for _k, n in p)
     if pool_tokens == 4096:  # nothing retracted: a decoding sequence advances at every step
         assert max(decode_gaps(mixed)) == 1 < max(decode_gaps(plain))
+
+
+def test_a_mixed_step_carries_the_prefill_tokens_its_cost_allows(optimistic):
+    """With mixed_step_ratio the chunk beside the decodes is what keeps the step near that many
+    decode steps' time (the engine feeds the step times; here a machine of 10 ms a step plus 0.1
+    ms a row); the outputs stay those of unmixed steps."""
+    prompts = [list(range(100 * i + 1, 100 * i + 91)) for i in range(6)]
+    ref, _ = drive_arrivals(
+        make(pool_tokens=4096, chunked_prefill_size=64, enable_mixed_chunk=False)[0],
+        [req(f"m{i}", p, max_new=12) for i, p in enumerate(prompts)],
+    )
+    sched, pool, cache = make(pool_tokens=4096, chunked_prefill_size=64, mixed_step_ratio=1.5)
+    for rows, kind in [
+        (1, BatchKind.DECODE),
+        (4, BatchKind.DECODE),
+        (64, BatchKind.PREFILL),
+        (200, BatchKind.PREFILL),
+    ]:
+        sched.cost.observe(ScheduledBatch(kind, [], [], [rows], []), 0.01 + rows * 0.0001)
+    outs, plans = drive_arrivals(sched, [req(f"m{i}", p, max_new=12) for i, p in enumerate(prompts)])
+    check_idle(pool, cache)
+    assert outs == ref
+    mixed = [[n for _k, n in p] for kind, p in plans if kind is BatchKind.PREFILL and 1 in [n for _k, n in p]]
+    budgets = [sched.cost.mixed_budget(ns.count(1), 64 - ns.count(1)) for ns in mixed]
+    assert all(50 <= b < 64 for b in budgets)  # (1.5 - 1) * (10 ms + d rows) / 0.1 ms, d decodes
+    assert all(sum(n for n in ns if n > 1) <= b for ns, b in zip(mixed, budgets))
+    assert any(sum(n for n in ns if n > 1) == b for ns, b in zip(mixed, budgets))
 
 
 def decode_gaps(plans):

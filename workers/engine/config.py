@@ -51,7 +51,12 @@ class EngineConfig:
     chunked_prefill_size: int = 2048  # -1 or 0 disables chunking
     # A prefill step also carries every running decode (one token each, out of the prefill's token
     # budget): decodes never wait behind a prefill, and one forward reads the weights for both.
-    enable_mixed_chunk: bool = False
+    enable_mixed_chunk: bool = True
+    # A mixed step carries as many prefill tokens as keep its time near this many decode steps'
+    # (learned from the steps run, engine/step_cost.py), within the chunk size; <= 1: the chunk.
+    # Small budgets bound the decodes' inter-token latency but slow the prompts that wait
+    # (load_tests/bench_mixed.py measures both), so the default is the chunk.
+    mixed_step_ratio: float = 0.0
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu (radix_cache.py)

@@ -458,6 +458,7 @@ class EngineCore:
             self.timing.record_idle(host, text)
             return
         plan = job.plan
+        self.scheduler.cost.observe(plan, job.forward_s + job.sample_s)
         self.timing.record(
             plan.kind.value,
             len(plan.reqs),

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from radixserve.workers.engine.kv_cache_manager import KVCacheManager
 from radixserve.workers.engine.request import Req, ReqStatus
 from radixserve.workers.engine.schedule_policy import InBatchDedup, SchedulePolicy
+from radixserve.workers.engine.step_cost import StepCost
 from radixserve.workers.executor.plan import BatchKind, ScheduledBatch
 from radixserve.workers.protocol import EngineLoad
 
@@ -54,6 +55,8 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
         self.num_mixed_steps = 0  # prefill steps that carried the running decodes
+        # The steps' times (fed by the engine after each forward) size a mixed step's prefill.
+        self.cost = StepCost(config.mixed_step_ratio)
         # Cached-prefix lengths of the waiting requests, by key, as the last admission round saw
         # them (empty when the policy does not match prefixes): `load` counts the tokens past them.
         self.match_lens: dict[str, int] = {}
@@ -113,10 +116,14 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step: prefill work first (chunks in progress, then admissions), else a
         decode step of every decode-ready sequence. With enable_mixed_chunk a prefill step also
-        carries those decodes, one token each out of its budget."""
+        carries those decodes, one token each, and as many prefill tokens as keep the step near
+        `mixed_step_ratio` decode steps' time (StepCost)."""
         self.kv.poll()
         decodes = [r for r in self.running if r.decode_ready] if self.config.enable_mixed_chunk else []
-        batch = self._schedule_prefill(reserved=len(decodes))
+        budget = self._token_budget()
+        if decodes:
+            budget = self.cost.mixed_budget(len(decodes), max(budget - len(decodes), 1))
+        batch = self._schedule_prefill(budget)
         if batch is None:
             return self._schedule_decode()
         if decodes:
@@ -136,9 +143,7 @@ class Scheduler:
     def _headroom(self) -> int:
         return self.kv.room() - self._reserved_for_running()
 
-    def _schedule_prefill(self, reserved: int = 0) -> ScheduledBatch | None:
-        """`reserved`: tokens of the budget left to the decodes that join the step."""
-        budget = max(self._token_budget() - reserved, 1)
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
         plan = ScheduledBatch(BatchKind.PREFILL, [], [], [], [])
         dedup = InBatchDedup(self.config.schedule_policy == "lpm" and not self.config.disable_radix_cache)
         # Chunked prefills in progress continue first.
