@@ -346,9 +346,10 @@ HELP = {
     "served_model_name": "the model name clients send (default: derived from the model path)",
     "dtype": "auto | bfloat16 | float32 | float16",
     "quantization": "quantized weights: auto (gguf for a .gguf model on the CPU with --dtype auto, else none) | "
-    "none | int8 (weight-only, per-output-channel scales, quantized at load) | "
-    "gguf (a .gguf model computed from its own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); AWQ / GPTQ / compressed-tensors checkpoints run "
-    "from their packed integers under none",
+    "none | int8 (weight-only, per-output-channel scales, quantized at load) | fp8 (e4m3, likewise; "
+    "torch._scaled_mm on GPUs with fp8 tensor cores, dequantized elsewhere) | "
+    "gguf (a .gguf model computed from its own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); AWQ / GPTQ / "
+    "compressed-tensors / fp8 (per-tensor or per-channel scales) checkpoints run from their packed values under none",
     "quantized_activations": "how quantized weights multiply decode rows: float (exact up to summation order) | "
     "int8 (rows rounded to int8 per block of 32, integer products: faster)",
     "device": "where the engines run: auto (cuda where the cluster has GPUs, else cpu) | cpu | cuda "

@@ -10,8 +10,9 @@ Here, on CPU tensors:
 
 With CUDA (load_tests/gpu_check.sh runs this module on a GPU): the engine on the GPU equals
 transformers in float32, CUDA graphs equal eager decode, the default model serves a json_schema
-request and an abort in bf16, the pool is sized from the GPU's memory, and with two GPUs a tp 2
-engine over NCCL equals one GPU's. A test that needs more GPUs than the host has skips, naming
+request and an abort in bf16, the pool is sized from the GPU's memory, fp8 weights compute with
+torch._scaled_mm (where the GPU has fp8 tensor cores), and with two GPUs a tp 2 engine over NCCL
+equals one GPU's. A test that needs more GPUs than the host has skips, naming
 torch.cuda.device_count().
 
 Every engine here names its device: a GPU host resolves "auto" to its GPU, where a reference on the
@@ -226,3 +227,50 @@ def test_cuda_tp2_equals_tp1(tiny):
     _needs_gpus(2)
     ref = _greedy(tiny, device="cuda")
     assert _greedy(tiny, device="cuda", tp_size=2) == ref
+
+
+def test_cuda_fp8_weights_compute_with_scaled_mm():
+    """--quantization fp8 on a GPU with fp8 tensor cores: each projection runs torch._scaled_mm
+    (row-wise scales from compute capability 9.0, one scale each on 8.9) within bf16 rounding of
+    the e4m3 reference product; the default model so quantized tracks its bf16 logits and serves."""
+    from radixserve.kernels.fp8_ops import Fp8Tensor, fp8_reference_linear, quantize_fp8, scaled_mm_mode
+    from radixserve.workers.models.linear import Linear
+    from radixserve.workers.models.quant_weight import weight_nbytes
+
+    _needs_gpus(1)
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"no fp8 tensor cores: compute capability {torch.cuda.get_device_capability()}")
+    qt = quantize_fp8(torch.randn(256, 512, device="cuda"))
+    x = torch.randn(33, 512, device="cuda", dtype=torch.bfloat16)
+    rowwise = scaled_mm_mode(x, qt) == "row"
+    if not rowwise:
+        qt = Fp8Tensor(qt.qweight, qt.scale[:1].expand(256).contiguous())
+        assert scaled_mm_mode(x, qt) == "tensor"
+    ref = fp8_reference_linear(x, qt, rowwise)
+    assert (qt.linear(x).float() - ref).norm() / ref.norm() < 1e-2
+    text = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Rome is"
+    params = {
+        "max_new_tokens": GREEDY["max_new_tokens"],
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprob_start_len": 1,
+    }
+    runs = {}
+    for quantization in ("none", "fp8"):
+        engine = Engine(device="cuda", quantization=quantization, max_total_tokens=100_000)
+        try:
+            out = engine.generate(text, params)
+            assert_kv_invariant(engine)
+            linears = [m for m in engine.core.runner.model.modules() if isinstance(m, Linear)]
+            parts = [p for m in linears if m.quantized is not None for p in m.quantized.parts]
+            runs[quantization] = (out, parts, weight_nbytes(engine.core.runner.model))
+        finally:
+            engine.shutdown()
+    (ref, none_parts, ref_bytes), (got, parts, got_bytes) = runs["none"], runs["fp8"]
+    assert not none_parts and parts and all(isinstance(p, Fp8Tensor) for p in parts)
+    assert got_bytes < 0.6 * ref_bytes
+    assert len(got["output_ids"]) == GREEDY["max_new_tokens"]
+    # the prompt's logprobs under fp8 weights and activations stay near bf16's
+    lp = [[v for v, _, _ in r["meta_info"]["input_token_logprobs"]] for r in (ref, got)]
+    assert len(lp[0]) == len(lp[1]) > 10
+    assert sum(abs(a - b) for a, b in zip(*lp)) / len(lp[0]) < 0.25

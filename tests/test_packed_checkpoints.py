@@ -220,7 +220,7 @@ def test_what_is_not_read_is_refused(tiny, tmp_path):
     cfg_path = Path(qdir) / "config.json"
     cfg = json.loads(cfg_path.read_text())
     for change, match in (
-        ({"quant_method": "fp8"}, "'fp8' is not supported"),
+        ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
         ({"bits": 3}, "only 4-bit"),
     ):
         cfg_path.write_text(

@@ -30,9 +30,10 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = bf16 where the CPU/GPU supports it, else fp32
     # Quantized weights (workers/models/quant_weight.py): auto (gguf for a GGUF model on the CPU
-    # with dtype auto, else none) | none | int8 (per output channel, quantized at load) | gguf (a
-    # GGUF model computed from its own blocks). AWQ / GPTQ / compressed-tensors checkpoints run from
-    # their packed integers under auto and none.
+    # with dtype auto, else none) | none | int8 (per output channel, quantized at load) | fp8 (e4m3
+    # per output channel, quantized at load; torch._scaled_mm on GPUs with fp8 tensor cores) | gguf
+    # (a GGUF model computed from its own blocks). AWQ / GPTQ / compressed-tensors / fp8 checkpoints
+    # run from their packed values under auto and none.
     quantization: str = "auto"
     # How quantized projections multiply decode rows: float (exact up to summation order) | int8
     # (rows rounded to int8 per block of 32, integer products: faster, as llama.cpp computes).
@@ -212,6 +213,8 @@ class EngineConfig:
             raise ValueError(
                 f"quantized_activations must be one of {ACTIVATIONS}, got {self.quantized_activations!r}"
             )
+        if self.quantization == "fp8" and self.quantized_activations == "int8":
+            raise ValueError("quantized_activations int8 multiplies integer weights, not fp8 ones")
         if self.quantization in ("none", "auto"):
             return
         if self.deterministic:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from radixserve.kernels import cpu_ops
-from radixserve.kernels.quant_ops import DEQUANT_ROWS, STRIP_DEQUANT_ROWS, StripTensor
+from radixserve.kernels.quant_ops import DEQUANT_ROWS, STRIP_DEQUANT_ROWS, QuantTensor, StripTensor
 from radixserve.workers.batch_kind import BatchKind
 from radixserve.workers.models.forward_batch import ForwardBatch
 from radixserve.workers.models.linear import Linear
@@ -111,7 +111,7 @@ class FusedDecode:
 
 def _decode_linear(native: Any, m: Linear) -> tuple[Any, int] | None:
     """(the extension's DecodeLinear for `m`, the rows below which it runs that kernel), or None
-    where `m` computes otherwise (bias, LoRA, a mix of quantized layouts, the dense GEMM)."""
+    where `m` computes otherwise (bias, LoRA, a mix of quantized layouts, fp8, the dense GEMM)."""
     if m.lora is not None or m.bias_f32 is not None:
         return None
     q = m.quantized
@@ -127,7 +127,7 @@ def _decode_linear(native: Any, m: Linear) -> tuple[Any, int] | None:
             part.data, part.n, part.scale, part.offset, part.group, part.bits, strips=True
         )
         return strips, STRIP_DEQUANT_ROWS
-    if part.qweight.device.type != "cpu":
+    if not isinstance(part, QuantTensor) or part.qweight.device.type != "cpu":
         return None
     linear = native.DecodeLinear(
         part.qweight, part.n, part.scale, part.offset, part.group, part.bits, q.int8_activations

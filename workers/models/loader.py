@@ -35,6 +35,7 @@ from radixserve.workers.models.mixtral import MixtralForCausalLM
 from radixserve.workers.models.packed_checkpoints import PackedReader, checkpoint_method
 from radixserve.workers.models.quant_weight import (
     check_quantization,
+    quantize_fp8_,
     quantize_int8_,
     quantize_modules_,
     set_activations_,
@@ -272,6 +273,11 @@ def resolve_quantization(
     deterministic mode is on; anything else "none" (a quantized checkpoint then runs from its
     packed integers)."""
     check_quantization(quantization, deterministic)
+    if quantization == "fp8" and torch.device(device).type == "cpu":
+        raise ValueError(
+            "quantization fp8 computes on GPUs (torch._scaled_mm where they have fp8 tensor cores); "
+            "on the CPU, int8 keeps 8-bit weights with kernels of their own"
+        )
     if quantization != "auto":
         return quantization
     plain = dtype is None or dtype == "auto"
@@ -311,10 +317,12 @@ def load_model(
     `deterministic`: batch-invariant kernels (attention.CpuBackend, linear.pack_batch_invariant);
     raises ValueError where they cannot run.
 
-    `quantization`: "int8" quantizes every projection at load (workers/models/quant_weight.py)
-    from whatever the checkpoint holds; "gguf" computes from a GGUF file's own blocks
-    (workers/models/gguf_weights.py); "none" keeps the model dtype, or computes an AWQ / GPTQ /
-    compressed-tensors checkpoint from its packed integers (workers/models/packed_checkpoints.py);
+    `quantization`: "int8" (or "fp8": e4m3) quantizes every projection at load
+    (workers/models/quant_weight.py) from whatever the checkpoint holds; "gguf" computes from a
+    GGUF file's own blocks (workers/models/gguf_weights.py); "none" keeps the model dtype, or
+    computes an AWQ / GPTQ / compressed-tensors / fp8 checkpoint from its packed values
+    (workers/models/packed_checkpoints.py; an fp8 one on the CPU from its values widened to the
+    model dtype);
     "auto" (`resolve_quantization`) is "gguf" for a GGUF model on the CPU without a dtype asked for,
     else "none". `quantized_activations` "int8": the quantized projections multiply decode rows as
     int8 (quant_weight.set_activations_); ValueError where no projection is quantized.
@@ -336,18 +344,26 @@ def load_model(
     reader = None if packed is None else PackedReader(*packed)
     weights = iter_checkpoint(model_dir)
     model.load_weights(weights if reader is None else reader.dense(weights))
+    on_cpu = torch.device(device).type == "cpu"
+    if reader is not None and reader.method == "fp8" and on_cpu:
+        # No fp8 kernel here (casting the weight at every call runs ~100x slower than bf16): the
+        # weights stay as loaded, each the checkpoint's value times its scale in the model dtype.
+        log.info("fp8 checkpoint on the CPU: its weights are widened to %s at load", torch_dtype)
+        reader = None
     if reader is not None:
         quantize_modules_(model, reader.tensors, "the checkpoint's packed weights are inconsistent")
     elif deterministic:
         pack_batch_invariant(model)
     elif quantization == "int8":
         quantize_int8_(model)
+    elif quantization == "fp8":
+        quantize_fp8_(model)
     elif source is not None:
         apply_gguf_weights_(model, source, config.num_heads, config.num_kv_heads)
     else:
         model.pack_weights(packed_gemm_crossover(model))
     if set_activations_(model, quantized_activations) == 0 and quantized_activations != "float":
         raise ValueError("quantized_activations int8 multiplies quantized weights; this model has none")
-    if torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+    if torch_dtype == torch.bfloat16 and on_cpu:
         use_strips_(model)  # bf16 rows of x: the quantized weights in strips where that kernel runs
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)

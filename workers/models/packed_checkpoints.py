@@ -11,27 +11,38 @@ safetensors, read into the kernels' group form (kernels/quant_ops.py) value for 
                  weight_packed int32 [N, K / (32 / bits)], values stored + 2^(bits-1)
                  weight_scale [N, G], weight_zero_point [N / (32 / bits), G] when asymmetric
                  W = (q - zp) * s
+    fp8          weight float8_e4m3fn [N, K], weight_scale [] / [1] (per tensor) or [N] / [N, 1]
+    (quant_method "fp8", and compressed-tensors float-quantized)      W = q * s
+                 Block-wise scales (weight_block_size) are refused. input_scale (a static scale
+                 for the activations) and k_scale / v_scale (for an fp8 KV cache) are not used:
+                 activations are scaled per row as they come (kernels/fp8_ops.py), and the KV
+                 cache keeps the model's dtype.
 
 Group g of a row covers input features [g * group, (g + 1) * group): act-order checkpoints (a
 `g_idx` that is not that) are refused. The scales arrive in float16 or bfloat16, so every
 product scale * integer is exact in float32 and the group form holds the checkpoint's values
 exactly. `PackedReader` turns a checkpoint's tensors into (name, dense weight) pairs that the
 model loads as any checkpoint, and keeps each projection's QuantTensor aside; after loading,
-`quantize_modules_` (quant_weight.py) makes the projections compute from those.
+`quantize_modules_` (quant_weight.py) makes the projections compute from those (fp8 ones as
+kernels/fp8_ops.Fp8Tensor).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from radixserve.kernels.fp8_ops import FP8, Fp8Tensor
 from radixserve.kernels.quant_ops import QuantTensor, compact_scales, pack_int4
 
-METHODS = ("awq", "gptq", "compressed-tensors")
+log = logging.getLogger(__name__)
+
+METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
 _AWQ_COLUMNS = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # column c sits in nibble _AWQ_COLUMNS[c]
 _SUFFIXES = {
     "awq": ("qweight", "qzeros", "scales"),
@@ -43,12 +54,16 @@ _SUFFIXES = {
         "weight_shape",
         "weight_g_idx",
     ),
+    "fp8": ("weight", "weight_scale"),
 }
 _REQUIRED = {
     "awq": ("qweight", "qzeros", "scales"),
     "gptq": ("qweight", "qzeros", "scales"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape"),
+    "fp8": ("weight", "weight_scale"),
 }
+# Scales of an fp8 checkpoint that the engine does not use (see the module's docstring).
+_FP8_UNUSED = ("input_scale", "k_scale", "v_scale")
 
 
 def checkpoint_method(model_dir: Path) -> tuple[str, dict[str, Any]] | None:
@@ -62,16 +77,50 @@ def checkpoint_method(model_dir: Path) -> tuple[str, dict[str, Any]] | None:
         raise ValueError(
             f"checkpoint quantization {method!r} is not supported; supported: {', '.join(METHODS)}"
         )
-    if method == "compressed-tensors":
+    if method == "compressed-tensors" and config.get("format") == "float-quantized":
+        _check_float_groups(config)
+        return "fp8", config
+    if method == "fp8":
+        if config.get("weight_block_size"):
+            raise ValueError(
+                "fp8 with block-wise scales (weight_block_size) is not read; per-tensor "
+                "and per-channel scales are"
+            )
+    elif method == "compressed-tensors":
         if config.get("format") not in ("pack-quantized", None):
             raise ValueError(
-                f"compressed-tensors format {config.get('format')!r}: only pack-quantized is read"
+                f"compressed-tensors format {config.get('format')!r}: pack-quantized and "
+                "float-quantized are read"
             )
     elif int(config.get("bits", 4)) != 4:
         raise ValueError(f"{method} with {config.get('bits')} bits: only 4-bit checkpoints are read")
     if method == "awq" and str(config.get("version", "gemm")).lower() != "gemm":
         raise ValueError(f"AWQ version {config.get('version')!r}: only the GEMM layout is read")
     return method, config
+
+
+def _check_float_groups(config: dict[str, Any]) -> None:
+    for name, group in (config.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        kind = (weights.get("type"), int(weights.get("num_bits", 0)), weights.get("strategy"))
+        if kind[:2] != ("float", 8) or kind[2] not in ("tensor", "channel"):
+            raise ValueError(
+                f"compressed-tensors group {name!r}: {kind[1]}-bit {kind[0]} weights by {kind[2]}; "
+                "float-quantized is read for 8-bit float weights by tensor or channel"
+            )
+
+
+def fp8_tensor(weight: torch.Tensor, scale: torch.Tensor) -> Fp8Tensor:
+    """An fp8 checkpoint weight [N, K] and its scale (one, or one per output row)."""
+    if weight.dtype != FP8 or weight.dim() != 2:
+        raise ValueError(f"an fp8 weight must be a 2-D {FP8} tensor, got {weight.dtype} {list(weight.shape)}")
+    n = weight.shape[0]
+    s = scale.float().reshape(-1)
+    if s.numel() == 1:
+        s = s.expand(n)
+    elif s.numel() != n:
+        raise ValueError(f"weight_scale {list(scale.shape)} is neither per tensor nor per row of {n}")
+    return Fp8Tensor(weight.contiguous(), s.contiguous())
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -158,14 +207,19 @@ class PackedReader:
     def __init__(self, method: str, config: dict[str, Any]):
         self.method, self.config = method, config
         self.v2 = str(config.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
-        self.tensors: dict[str, QuantTensor] = {}
+        self.tensors: dict[str, QuantTensor | Fp8Tensor] = {}
 
     def dense(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         suffixes = _SUFFIXES[self.method]
+        unused = 0
         for name, tensor in weights:
             module, _, leaf = name.rpartition(".")
-            if leaf not in suffixes:
+            if self.method == "fp8" and leaf in _FP8_UNUSED:
+                unused += 1
+                continue
+            plain = self.method == "fp8" and leaf == "weight" and tensor.dtype != FP8
+            if leaf not in suffixes or plain:
                 yield name, tensor
                 continue
             parts = pending.setdefault(module, {})
@@ -176,6 +230,12 @@ class PackedReader:
                 yield f"{module}.weight", qt.dequantize(torch.float32)
         if pending:
             raise ValueError(f"quantized checkpoint tensors without all their parts: {sorted(pending)[:4]}")
+        if unused:
+            log.info(
+                "fp8 checkpoint: %d static activation / KV scales not used (activations are "
+                "scaled per row at run time; the KV cache keeps the model's dtype)",
+                unused,
+            )
 
     def _complete(self, parts: dict[str, torch.Tensor]) -> bool:
         # Optional parts (g_idx, zero points) may still follow in another shard: wait for the
@@ -190,8 +250,10 @@ class PackedReader:
         groups = self.config.get("config_groups") or {}
         return all((g.get("weights") or {}).get("symmetric", True) for g in groups.values())
 
-    def _decode(self, module: str, parts: dict[str, torch.Tensor]) -> QuantTensor:
+    def _decode(self, module: str, parts: dict[str, torch.Tensor]) -> QuantTensor | Fp8Tensor:
         try:
+            if self.method == "fp8":
+                return fp8_tensor(parts["weight"], parts["weight_scale"])
             if self.method == "awq":
                 return awq_tensor(parts["qweight"], parts["qzeros"], parts["scales"])
             if self.method == "gptq":

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels.fp8_ops import Fp8Tensor
 from radixserve.kernels.quant_ops import QuantTensor, StripTensor
 from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.parallel import padded_range
@@ -66,9 +67,9 @@ class VocabParallelEmbedding(nn.Module):
         self.lo, self.hi, block = padded_range(vocab_size, group.world_size, group.rank)
         self.weight = nn.Parameter(torch.empty(block, hidden_size, dtype=dtype), requires_grad=False)
         self.dtype = dtype
-        self.quantized: QuantTensor | StripTensor | None = None  # once quantize_ replaced the weight
+        self.quantized: QuantTensor | StripTensor | Fp8Tensor | None = None  # once quantize_ replaced it
 
-    def quantize_(self, weight: QuantTensor | StripTensor) -> None:
+    def quantize_(self, weight: QuantTensor | StripTensor | Fp8Tensor) -> None:
         """Look rows up in `weight` (the loaded table, quantized) from now on; the plain table is
         released."""
         if self.group.world_size != 1:

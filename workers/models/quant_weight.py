@@ -1,9 +1,10 @@
 """Quantized projections: a Linear computes through a QuantWeight once quantized (Linear.quantize_).
 
 `--quantization int8` quantizes every projection at load, weight only, one scale per output
-channel (kernels/quant_ops.quantize_int8), from whatever the checkpoint holds. `--quantization
-gguf` keeps a GGUF file's own blocks (workers/models/gguf_weights.py); AWQ / GPTQ /
-compressed-tensors checkpoints arrive quantized (workers/models/packed_checkpoints.py). Under
+channel (kernels/quant_ops.quantize_int8), from whatever the checkpoint holds; `--quantization
+fp8` likewise in e4m3 (kernels/fp8_ops.py: torch._scaled_mm on GPUs with fp8 tensor cores).
+`--quantization gguf` keeps a GGUF file's own blocks (workers/models/gguf_weights.py); AWQ / GPTQ /
+compressed-tensors checkpoints and fp8 ones arrive quantized (workers/models/packed_checkpoints.py). Under
 tensor parallelism each rank holds the slice of its projections: int8 quantizes the slice (a row's
 scale over the columns the rank holds), the others cut theirs along whole groups. A bf16 model on
 an AVX512-BF16 CPU then lays its projections out in strips (`use_strips_`, quant_ops.StripTensor).
@@ -12,11 +13,13 @@ an AVX512-BF16 CPU then lays its projections out in strips (`use_strips_`, quant
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias
 
 import torch
 from torch import nn
 
+from radixserve.kernels.fp8_ops import Fp8Tensor, quantize_fp8
 from radixserve.kernels.quant_ops import (
     QuantTensor,
     StripTensor,
@@ -27,29 +30,29 @@ from radixserve.kernels.quant_ops import (
 
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gguf")
+Part: TypeAlias = QuantTensor | StripTensor | Fp8Tensor
 ACTIVATIONS = ("float", "int8")
 
 
 class QuantWeight(nn.Module):
-    """y = x @ W^T (+ bias) with W the rows of `parts` (QuantTensors) in order; bias float32 [N].
+    """y = x @ W^T (+ bias) with W the rows of `parts` (QuantTensors or Fp8Tensors) in order; bias
+    float32 [N].
 
-    Adjacent parts of one layout (bits, group, offset) are joined into one, so a fused q/k/v or
-    gate/up layer whose parts share a format runs one kernel; a GGUF mix (Q4_K beside Q6_K) runs
-    one per layout and writes the outputs side by side.
+    Adjacent parts of one layout (bits, group, offset; or fp8) are joined into one, so a fused
+    q/k/v or gate/up layer whose parts share a format runs one kernel; a GGUF mix (Q4_K beside
+    Q6_K) runs one per layout and writes the outputs side by side.
     """
 
-    def __init__(self, parts: Sequence[QuantTensor], bias: torch.Tensor | None):
+    def __init__(self, parts: Sequence[QuantTensor | Fp8Tensor], bias: torch.Tensor | None):
         super().__init__()
-        joined: list[list[QuantTensor]] = []
+        joined: list[list[QuantTensor | Fp8Tensor]] = []
         for part in parts:
-            if joined and joined[-1][0].same_layout(part):
+            if joined and _same_layout(joined[-1][0], part):
                 joined[-1].append(part)
             else:
                 joined.append([part])
-        self.parts: list[QuantTensor | StripTensor] = [
-            group[0] if len(group) == 1 else cat_rows(group) for group in joined
-        ]
+        self.parts: list[Part] = [group[0] if len(group) == 1 else _join(group) for group in joined]
         self.bounds = [0]
         for joined_part in self.parts:
             self.bounds.append(self.bounds[-1] + joined_part.n)
@@ -74,6 +77,8 @@ class QuantWeight(nn.Module):
 
     @int8_activations.setter
     def int8_activations(self, on: bool) -> None:
+        if on and any(isinstance(part, Fp8Tensor) for part in self.parts):
+            raise ValueError("int8 activations multiply integer weights, not fp8 ones")
         if on:
             self.use_strips_(False)  # strips multiply bf16 rows only
         self._int8_activations = on
@@ -83,7 +88,7 @@ class QuantWeight(nn.Module):
         in rows. `shared`: parts already packed elsewhere, by their integers' data_ptr, reused
         (and this call's packings added). Returns whether any part changed."""
         changed = False
-        parts: list[QuantTensor | StripTensor] = []
+        parts: list[Part] = []
         for part in self.parts:
             if (
                 on
@@ -125,6 +130,18 @@ class QuantWeight(nn.Module):
         return sum(part.nbytes for part in self.parts)
 
 
+def _same_layout(a: QuantTensor | Fp8Tensor, b: QuantTensor | Fp8Tensor) -> bool:
+    if isinstance(a, QuantTensor) and isinstance(b, QuantTensor):
+        return a.same_layout(b)
+    return isinstance(a, Fp8Tensor) and a.same_layout(b)
+
+
+def _join(group: Sequence[QuantTensor | Fp8Tensor]) -> QuantTensor | Fp8Tensor:
+    if isinstance(group[0], Fp8Tensor):
+        return Fp8Tensor.cat([p for p in group if isinstance(p, Fp8Tensor)])
+    return cat_rows([p for p in group if isinstance(p, QuantTensor)])
+
+
 def check_quantization(quantization: str, deterministic: bool = False) -> str:
     """The quantization name, or ValueError for one this build does not run."""
     if quantization not in QUANTIZATIONS:
@@ -140,27 +157,36 @@ def quantize_int8_(model: nn.Module) -> int:
     """Quantize every projection of a loaded `model` (the LM head among them) and, at tp_size 1,
     the embedding (one scale per token's row; a tied LM head and the embedding share one int8
     table) in place; returns how many modules."""
+    return _quantize_at_load_(model, quantize_int8)
+
+
+def quantize_fp8_(model: nn.Module) -> int:
+    """`quantize_int8_` in e4m3 (kernels/fp8_ops.quantize_fp8)."""
+    return _quantize_at_load_(model, quantize_fp8)
+
+
+def _quantize_at_load_(model: nn.Module, quantize) -> int:
     from radixserve.workers.models.linear import Linear
     from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
 
     count = 0
-    tables: dict[int, QuantTensor] = {}  # weight storage -> its int8 table
+    tables: dict[int, QuantTensor | Fp8Tensor] = {}  # weight storage -> its quantized table
     for module in model.modules():
         if isinstance(module, Linear):
-            table = quantize_int8(module.weight.data)
+            table = quantize(module.weight.data)
             quantized = QuantWeight([table], module.bias)
             tables[module.weight.data_ptr()] = table
             module.quantize_(quantized)
             count += 1
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding) and module.group.world_size == 1:
-            table = tables.get(module.weight.data_ptr()) or quantize_int8(module.weight.data)
+            table = tables.get(module.weight.data_ptr()) or quantize(module.weight.data)
             module.quantize_(table)
             count += 1
     return count
 
 
-def quantize_modules_(model: nn.Module, tensors: dict[str, QuantTensor], remedy: str) -> int:
+def quantize_modules_(model: nn.Module, tensors: Mapping[str, QuantTensor | Fp8Tensor], remedy: str) -> int:
     """Make the modules of a loaded `model` compute from `tensors` (Hugging Face module name ->
     the full checkpoint weight, quantized): projections (fused q/k/v and gate/up when all their
     parts are there), the embedding, and a tied LM head with it. Under tensor parallelism each
@@ -171,7 +197,7 @@ def quantize_modules_(model: nn.Module, tensors: dict[str, QuantTensor], remedy:
     from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
     from radixserve.workers.models.weight_loader import FUSED
 
-    by_module: dict[str, dict[int | None, QuantTensor]] = {}  # our module -> {part: tensor}
+    by_module: dict[str, dict[int | None, QuantTensor | Fp8Tensor]] = {}  # our module -> {part: tensor}
     for name, qt in tensors.items():
         *path, leaf = name.split(".")
         part = None
@@ -205,8 +231,8 @@ def quantize_modules_(model: nn.Module, tensors: dict[str, QuantTensor], remedy:
 
 
 def _rank_slices(
-    name: str, module: nn.Module, parts: dict[int | None, QuantTensor]
-) -> list[QuantTensor] | None:
+    name: str, module: nn.Module, parts: dict[int | None, QuantTensor | Fp8Tensor]
+) -> list[QuantTensor | Fp8Tensor] | None:
     """The QuantTensors of the rows and columns `module` (a Linear) holds, in its row order; None
     when it stays dense (a part missing, padded rows, a slice across a group)."""
     from radixserve.workers.models.linear import FusedLinear, Linear
