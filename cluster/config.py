@@ -21,7 +21,13 @@ from radixserve.router.frontend.config import LOG_LEVELS, HTTPConfig, IngressCon
 from radixserve.router.frontend.reasoning import REASONING_PARSERS
 from radixserve.router.frontend.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from radixserve.router.routing.policy import POLICY_NAMES, PolicyConfig
-from radixserve.workers.engine.config import ATTENTION_BACKENDS, DEVICES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.workers.engine.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    KV_CACHE_DTYPES,
+    SCHEDULE_POLICIES,
+    EngineConfig,
+)
 from radixserve.workers.protocol import KV_TRANSFER_CHOICES, PD_ON_FAILURE, Role
 
 # Engine fields the application builder sets per deployment; no user sets them.
@@ -356,6 +362,9 @@ HELP = {
     "(one GPU per replica, per rank with --tp)",
     "attention_backend": "auto (cpu on CPU, triton on CUDA) | cpu (fused C++) | triton (paged Triton "
     "kernels) | torch (flash-attn varlen or SDPA) | torch_ref (slow reference)",
+    "kv_cache_dtype": "the KV cache's element type: auto (the model's dtype) | int8 (a token's head in int8 with "
+    "a float32 scale of its own: 0.53x bf16's bytes at head size 64; bf16 models on the cpu attention backend "
+    "of AVX512-BF16 CPUs)",
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
     "cuda_graph_max_bs": "CUDA: largest decode batch replayed from a CUDA graph (larger ones run eagerly)",
     "context_length": "maximum prompt + completion tokens (default: the model's)",
@@ -366,7 +375,7 @@ HELP = {
     "counts 8); beyond it requests get 503",
     "chunked_prefill_size": "prefill chunk size in tokens (-1 disables chunking)",
     "enable_mixed_chunk": "a prefill step also carries every running decode (decodes never wait "
-    "behind a prefill; load_tests/bench_mixed.py measures it)",
+    "behind a prefill; a failing forward then fails the decodes of its step too; load_tests/bench_mixed.py)",
     "mixed_step_ratio": "a mixed step carries as many prefill tokens as keep it near this many decode "
     "steps' time, learned from the steps run: bounds the decodes' inter-token latency while prompts "
     "arrive, at the price of their TTFT (2.5: ITL p99 / p50 under 3; <= 1: the whole chunk)",
@@ -531,6 +540,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                     "tp_placement": tuple(TP_PLACEMENTS),
                     "kv_transfer": KV_TRANSFER_CHOICES,
                     "pd_on_failure": PD_ON_FAILURE,
+                    "kv_cache_dtype": KV_CACHE_DTYPES,
                 }.get(f.name)
                 group.add_argument(
                     *names,

@@ -113,6 +113,13 @@ def _usable(*tensors: torch.Tensor) -> bool:
     return native_ops() is not None
 
 
+def _usable_pool(k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+    """Whether the kernels read these K/V pool buffers: float32 / bf16, or an int8 pool's rows."""
+    if k_buf.dtype == v_buf.dtype == torch.int8:
+        return k_buf.device.type == v_buf.device.type == "cpu" and native_ops() is not None
+    return _usable(k_buf, v_buf)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, float32 math; rounds to x.dtype before the weight (as HF)."""
     if _usable(x, weight) and x.dtype == weight.dtype and x.dim() == 2 and x.stride(-1) == 1:
@@ -149,8 +156,10 @@ def store_kv_(
     fused qkv output), in one call; False, untouched, where the extension cannot (the caller then
     copies with torch)."""
     if not (
-        _usable(k, v, k_buf, v_buf)
-        and k.dtype == v.dtype == k_buf.dtype == v_buf.dtype
+        _usable(k, v)
+        and _usable_pool(k_buf, v_buf)
+        and k.dtype == v.dtype
+        and k_buf.dtype == v_buf.dtype in (k.dtype, torch.int8)  # int8: quantized as stored
         and slots.dtype == torch.int64
         and slots.is_contiguous()
         and k.dim() == 3
@@ -209,8 +218,9 @@ def decode_attention(
             q, k_buf, v_buf, kv_indices.contiguous(), seq_lens.contiguous(), 1.0 / math.sqrt(q.shape[-1])
         )
     if (
-        _usable(q, k_buf, v_buf)
-        and q.dtype == k_buf.dtype == v_buf.dtype
+        _usable(q)
+        and _usable_pool(k_buf, v_buf)
+        and (q.dtype == k_buf.dtype == v_buf.dtype or _int8_pool(q, k_buf, v_buf))
         and q.stride(-1) == 1
         and kv_indices.is_contiguous()
         and seq_lens.is_contiguous()
@@ -237,7 +247,12 @@ def extend_attention_native(
     in bf16 dot-product instructions (float32 softmax and sums; the softmax weights rounded to
     bf16), about twice as fast; otherwise float32 math throughout, the batch-invariant arithmetic
     that decode_attention's fixed_order reproduces."""
-    if not (_usable(q, k_buf, v_buf) and q.dtype == k_buf.dtype == v_buf.dtype and q.stride(-1) == 1):
+    if not (
+        _usable(q)
+        and _usable_pool(k_buf, v_buf)
+        and (q.dtype == k_buf.dtype == v_buf.dtype or _int8_pool(q, k_buf, v_buf))
+        and q.stride(-1) == 1
+    ):
         return None
     ops = native_ops()
     if (
@@ -247,6 +262,8 @@ def extend_attention_native(
         and ops.extend_bf16_available()
     ):
         kernel = ops.extend_attention_bf16
+    elif k_buf.dtype == torch.int8:
+        return None  # the int8 pool is read by the bf16 kernel only
     else:
         kernel = ops.extend_attention
     return kernel(
@@ -258,6 +275,33 @@ def extend_attention_native(
         cu_extend.contiguous(),
         1.0 / math.sqrt(q.shape[-1]),
     )
+
+
+def _int8_pool(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+    return q.dtype == torch.bfloat16 and k_buf.dtype == v_buf.dtype == torch.int8
+
+
+def kv_int8_available(head_dim: int, group: int) -> bool:
+    """Whether an int8 KV pool's kernels (csrc/kv_int8.h) run here for this head size and number
+    of query heads a KV head (AVX512-BF16)."""
+    ops = native_ops()
+    return ops is not None and bool(ops.kv_int8_available(head_dim, group))
+
+
+def kv_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> the int8 pool's rows [..., D + 4] (csrc/kv_int8.h): x / scale rounded to int8
+    (half to even), scale = max|x| / 127 in float32 (0, and zeros, for an all-zero row), the
+    scale's bytes after the values. What store_kv_ writes into an int8 pool, bitwise."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(xf / scale.clamp(min=torch.finfo(torch.float32).tiny)), 0.0)
+    return torch.cat([q.clamp(-127, 127).to(torch.int8), scale.view(torch.int8)], dim=-1)
+
+
+def kv_int8_values(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The int8 pool's rows [..., D + 4] -> their values [..., D] (each int8 times its row's scale)."""
+    scale = rows[..., -4:].contiguous().view(torch.float32)
+    return (rows[..., :-4].float() * scale).to(dtype)
 
 
 GEMM_STRIP = 16  # output columns per packed strip (csrc/gemm.h)
@@ -335,12 +379,15 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 def decode_attention_torch(q, k_buf, v_buf, kv_indices, seq_lens) -> torch.Tensor:
     batch_size, width = kv_indices.shape
-    kv_heads, head_dim = k_buf.shape[1], k_buf.shape[2]
+    kv_heads, head_dim = k_buf.shape[1], q.shape[-1]
     group = q.shape[1] // kv_heads
     flat = kv_indices.reshape(-1)
 
     def gather(buf):  # -> [B, KVH, L, D] float32, contiguous for the matmuls
-        rows = buf.index_select(0, flat).view(batch_size, width, kv_heads, head_dim)
+        rows = buf.index_select(0, flat)
+        if buf.dtype == torch.int8:  # an int8 pool's rows carry their scales
+            rows = kv_int8_values(rows)
+        rows = rows.view(batch_size, width, kv_heads, head_dim)
         return rows.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
 
     # The query heads of one KV group become G query rows against that group's keys.

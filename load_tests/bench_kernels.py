@@ -128,19 +128,26 @@ def bench_decode_attention(batch: int, length: int, shared: int) -> dict[str, An
     return {"native_us": 1e6 * t_native, "torch_us": 1e6 * t_torch}
 
 
-def bench_decode_attention_step(batch: int, length: int, shared: int, layers: int = LAYERS) -> dict[str, Any]:
+def bench_decode_attention_step(
+    batch: int, length: int, shared: int, layers: int = LAYERS, int8: bool = False
+) -> dict[str, Any]:
     """A whole decode step's attention: `layers` layers, each with a K/V pool of its own (as the
     model's), so that the step reads its K/V from memory rather than from a cache that one
     layer's pool fits; all `batch` sequences share their first `shared` slots. Prints the K/V
-    bytes the step reads once per sequence and the rate that makes: what a smaller cache dtype
-    would save where this rate is the memory's."""
+    bytes the step reads once per sequence and the rate that makes. `int8`: the int8 pool
+    (kv_cache_dtype int8, csrc/kv_int8.h), 68 bytes a row against bf16's 128."""
     gen = torch.Generator().manual_seed(2)
     own = length - shared
     slots = shared + batch * own
     rows = [list(range(shared)) + list(range(shared + b * own, shared + (b + 1) * own)) for b in range(batch)]
     kv, lens = torch.tensor(rows), torch.full((batch,), length)
-    k_bufs = [torch.randn(slots, 3, 64, generator=gen).to(torch.bfloat16) for _ in range(layers)]
-    v_bufs = [torch.randn(slots, 3, 64, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+
+    def pool() -> torch.Tensor:
+        values = torch.randn(slots, 3, 64, generator=gen).to(torch.bfloat16)
+        return cpu_ops.kv_int8_rows(values) if int8 else values
+
+    k_bufs = [pool() for _ in range(layers)]
+    v_bufs = [pool() for _ in range(layers)]
     q = torch.randn(batch, 9, 64, generator=gen).to(torch.bfloat16)
     native, scale = cpu_ops.native_ops(), 1 / math.sqrt(64)
 
@@ -149,8 +156,12 @@ def bench_decode_attention_step(batch: int, length: int, shared: int, layers: in
             native.decode_attention(q, k_buf, v_buf, kv, lens, scale)
 
     t = timed(step)
-    read = batch * length * 3 * 64 * 2 * 2 * layers  # K and V rows per sequence, bf16
-    label = f"B={batch} L={length}" + (f" (all share {shared})" if shared else "")
+    read = batch * length * 3 * k_bufs[0][0, 0].nbytes * 2 * layers  # K and V rows per sequence
+    label = (
+        f"B={batch} L={length}"
+        + (f" (all share {shared})" if shared else "")
+        + (", int8 pool" if int8 else "")
+    )
     print(
         f"decode attention step, {layers} layers, {label}: {1e3 * t:6.2f} ms, "
         f"{read / 1e6:.0f} MB of K/V rows read, {read / t / 1e9:.1f} GB/s",
@@ -234,6 +245,10 @@ def main(argv=None) -> int:
             # the serving benchmarks' shared-prompt workload: 8 running, ~767 tokens each
             "step_unrelated": bench_decode_attention_step(8, 767, 0),
             "step_shared_prefix": bench_decode_attention_step(8, 767, 700),
+            # kv_cache_dtype int8 at the same size, and both at a longer context
+            "step_unrelated_int8": bench_decode_attention_step(8, 767, 0, int8=True),
+            "step_4k": bench_decode_attention_step(8, 4000, 0),
+            "step_4k_int8": bench_decode_attention_step(8, 4000, 0, int8=True),
         }
 
     worker = threading.Thread(target=kernels)

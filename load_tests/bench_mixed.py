@@ -2,8 +2,8 @@
 
 Workload: --decoders streams of --decode-prompt tokens decode --decode-out tokens each (greedy,
 ignore_eos); once they all decode, --long prompts of --long-prompt tokens arrive, one every
---gap-s, each with --long-out output tokens. Measured per mode (`enable_mixed_chunk` off; on with
-the whole chunk per step, the default; on with --mixed-step-ratio bounding a mixed step's time),
+--gap-s, each with --long-out output tokens. Measured per mode (`enable_mixed_chunk` off, the
+default; on with the whole chunk per step; on with --mixed-step-ratio bounding a mixed step's time),
 on an engine of its own (one at a time: two engines in one process throttle each other's OpenMP
 teams), --repeats rounds alternating which mode goes first:
   itl p50 / p99 / max  the decoding streams' gaps between chunks (ms), over the whole run

@@ -8,6 +8,7 @@ for a GGUF model that is the file dequantized, so `gguf` is compared with the sa
 Decode rates are medians of --rounds rounds in which the models take turns.
 
     python -m load_tests.bench_quant [--model PATH] [--dtype auto] [--quantization int8,gguf,gguf:int8]
+    python -m load_tests.bench_quant --dtype bfloat16 --quantization kv-int8   # the int8 KV cache
     python -m load_tests.bench_quant --crossover   # fused kernels vs dequantize + GEMM, per rows
     python -m load_tests.bench_quant --strips-crossover   # bf16 rows: row layout, strips, GEMMs
 """
@@ -59,10 +60,10 @@ def batch_of(
 
 
 class Runner:
-    def __init__(self, loaded: LoadedModel, slots: int = 8192):
+    def __init__(self, loaded: LoadedModel, slots: int = 8192, kv_dtype: torch.dtype | None = None):
         c = loaded.config
         self.model = loaded.model
-        self.pool = KVPool(c.num_layers, loaded.local_kv_heads, c.head_dim, slots, dtype=c.dtype)
+        self.pool = KVPool(c.num_layers, loaded.local_kv_heads, c.head_dim, slots, dtype=kv_dtype or c.dtype)
 
     def greedy(self, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
         """Greedy tokens of every prompt (batched), and decode tokens per second."""
@@ -214,7 +215,8 @@ def main() -> None:
     p.add_argument(
         "--quantization",
         default="int8,gguf,gguf:int8",
-        help="comma-separated: int8, gguf; with :int8 for int8 activations (gguf:int8)",
+        help="comma-separated: int8, fp8 (GPU), gguf; with :int8 for int8 activations (gguf:int8); "
+        "kv-int8: the reference's weights over an int8 KV cache (kv_cache_dtype int8)",
     )
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
@@ -229,8 +231,11 @@ def main() -> None:
         return strips_crossover()
     modes = ["none", *args.quantization.split(",")]
     loaded = {}
-    for m in modes:  # "gguf:int8" = quantization gguf with int8 activations
+    for m in modes:  # "gguf:int8" = quantization gguf with int8 activations; "kv-int8": int8 KV
         quantization, _, acts = m.partition(":")
+        if m == "kv-int8":
+            loaded[m] = loaded.get("none") or load_model(args.model, args.dtype, quantization="none")
+            continue
         loaded[m] = load_model(
             args.model, args.dtype, quantization=quantization, quantized_activations=acts or "float"
         )
@@ -238,7 +243,7 @@ def main() -> None:
     ids = ref.tokenizer(fixed_text())["input_ids"]
     text_ids, rest = ids[: args.ppl_tokens], ids[args.ppl_tokens :]
     prompts = [rest[16 * i : 16 * i + 16] for i in range(64)]
-    runners = {m: Runner(lm) for m, lm in loaded.items()}
+    runners = {m: Runner(lm, kv_dtype=torch.int8 if m == "kv-int8" else None) for m, lm in loaded.items()}
     rates = measure(runners, prompts, args)
     result = {}
     for m, r in runners.items():

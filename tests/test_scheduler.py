@@ -344,7 +344,9 @@ def test_a_mixed_step_carries_the_prefill_tokens_its_cost_allows(optimistic):
         make(pool_tokens=4096, chunked_prefill_size=64, enable_mixed_chunk=False)[0],
         [req(f"m{i}", p, max_new=12) for i, p in enumerate(prompts)],
     )
-    sched, pool, cache = make(pool_tokens=4096, chunked_prefill_size=64, mixed_step_ratio=1.5)
+    sched, pool, cache = make(
+        pool_tokens=4096, chunked_prefill_size=64, enable_mixed_chunk=True, mixed_step_ratio=1.5
+    )
     for rows, kind in [
         (1, BatchKind.DECODE),
         (4, BatchKind.DECODE),

@@ -11,6 +11,7 @@
 #include "common.h"
 #include "decode_avx512.h"
 #include "extend_avx512.h"
+#include "kv_int8.h"
 
 namespace radixserve {
 namespace {
@@ -420,6 +421,10 @@ void decode_attention_fixed_impl(const typename E::T* q, int64_t q_stride_t, int
 inline torch::Tensor run_decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf,
                                           const torch::Tensor& v_buf, const torch::Tensor& kv_indices,
                                           const torch::Tensor& seq_lens, double scale, bool fixed) {
+  if (k_buf.scalar_type() == at::kChar) {
+    TORCH_CHECK(!fixed, "the fixed-order (batch-invariant) decode attention takes no int8 pool");
+    return decode_attention_int8(q, k_buf, v_buf, kv_indices, seq_lens, scale);
+  }
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.dim() == 3, "K/V buffers must be contiguous");
   TORCH_CHECK(k_buf.scalar_type() == q.scalar_type() && v_buf.scalar_type() == q.scalar_type(), "dtype mismatch");
@@ -484,20 +489,22 @@ torch::Tensor extend_attention_bf16(const torch::Tensor& q, const torch::Tensor&
   TORCH_CHECK(extend_bf16_available(), "extend_attention_bf16 needs a CPU with AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with contiguous D");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.dim() == 3, "K/V buffers must be contiguous");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_buf.scalar_type() == at::kBFloat16 &&
-                  v_buf.scalar_type() == at::kBFloat16,
-              "extend_attention_bf16 takes bfloat16 tensors");
+  const bool i8 = k_buf.scalar_type() == at::kChar;  // an int8 pool (kv_int8.h)
+  const auto kv_type = i8 ? at::kChar : at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_buf.scalar_type() == kv_type && v_buf.scalar_type() == kv_type,
+              "extend_attention_bf16 takes bfloat16 q with a bfloat16 or int8 pool");
   for (const auto* t : {&kv_indices, &seq_lens, &cu})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
   const int64_t batch = seq_lens.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_buf.size(1);
   TORCH_CHECK(cu.size(0) == batch + 1 && kv_indices.size(0) == batch, "batch sizes do not match");
-  TORCH_CHECK(k_buf.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(k_buf.size(2) == dim + (i8 ? 4 : 0) && heads % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(dim == 64 || dim == 128, "extend_attention_bf16 takes head sizes 64 and 128");
   TORCH_CHECK(q.stride(1) % 2 == 0 && q.stride(0) % 2 == 0, "q rows must start on 4-byte boundaries");
   auto out = torch::empty({q.size(0), heads, dim}, q.options());
 #if defined(__AVX512BF16__)
-  auto run = dim == 64 ? extend_attention_bf16_impl<64> : extend_attention_bf16_impl<128>;
-  run(ptr<BF16>(q), q.stride(0), q.stride(1), ptr<BF16>(k_buf), ptr<BF16>(v_buf), kv_indices.data_ptr<int64_t>(),
+  auto run = dim == 64 ? (i8 ? extend_attention_bf16_impl<64, true> : extend_attention_bf16_impl<64, false>)
+                       : (i8 ? extend_attention_bf16_impl<128, true> : extend_attention_bf16_impl<128, false>);
+  run(ptr<BF16>(q), q.stride(0), q.stride(1), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr<int64_t>(),
       kv_indices.size(1), seq_lens.data_ptr<int64_t>(), cu.data_ptr<int64_t>(), batch, heads, kv_heads,
       static_cast<float>(scale), ptr<BF16>(out));
 #endif

@@ -41,7 +41,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }))
       .def("run", &DecodeStack::run, "layers [first, last) of a decode step; returns the last MLP output",
            release());
-  m.def("store_kv_", &store_kv_, "a step's new K/V rows into their pool slots", release());
+  m.def("store_kv_", &store_kv_, "a step's new K/V rows into their pool slots (quantized into an int8 pool)",
+        release());
+  m.def("kv_int8_available", &kv_int8_available, "whether an int8 pool's kernels take (head size, group)");
   m.def("extend_attention", &extend_attention, "causal prefill attention over paged K/V, whole batch", release());
   m.def("extend_attention_bf16", &extend_attention_bf16,
         "extend_attention with bf16 products (float32 softmax and sums), AVX512-BF16 only", release());

@@ -9,6 +9,7 @@
 //   store_kv_       a step's new K and V rows copied into the pool's slots, both in one pass
 
 #include "common.h"
+#include "kv_int8.h"
 
 namespace radixserve {
 namespace {
@@ -148,6 +149,7 @@ torch::Tensor silu_mul(const torch::Tensor& x) {
 // where torch's index_copy_ walks a strided source element by element, twice per layer.
 void store_kv_(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
                const torch::Tensor& slots) {
+  if (k_buf.scalar_type() == at::kChar) return store_kv_int8_(k, v, k_buf, v_buf, slots);
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [T, heads, D] alike");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(), "pool buffers");
   TORCH_CHECK(k_buf.dim() == 3 && k_buf.size(1) == k.size(1) && k_buf.size(2) == k.size(2), "pool row shape");

@@ -65,6 +65,36 @@ void pack_kv_bf16(const uint16_t* k_head, const uint16_t* v_head, const int64_t*
   }
 }
 
+// pack_kv_bf16 for an int8 pool (kv_int8.h's rows: D int8 values and their float32 scale): each
+// value times its row's scale, rounded to bf16 as it is packed.
+template <int D>
+void pack_kv_int8(const int8_t* k_head, const int8_t* v_head, const int64_t* slots, int64_t len, int64_t row,
+                  int64_t blocks, uint32_t* kp, uint32_t* vp) {
+  constexpr int P = D / 2;
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint32_t* kb = kp + b * P * kXKB;
+    uint16_t* vb = reinterpret_cast<uint16_t*>(vp + b * (kXKB / 2) * D);
+    for (int64_t j = 0; j < kXKB; ++j) {
+      const int64_t l = b * kXKB + j;
+      uint16_t* vw = vb + (j / 2) * 2 * D + (j & 1);
+      if (l < len) {
+        const int8_t* kr = k_head + slots[l] * row;
+        const int8_t* vr = v_head + slots[l] * row;
+        float ks, vs;
+        std::memcpy(&ks, kr + D, sizeof(float));
+        std::memcpy(&vs, vr + D, sizeof(float));
+        for (int p = 0; p < P; ++p)
+          kb[p * kXKB + j] = static_cast<uint32_t>(BF16::store(kr[2 * p] * ks)) |
+                             (static_cast<uint32_t>(BF16::store(kr[2 * p + 1] * ks)) << 16);
+        for (int d = 0; d < D; ++d) vw[2 * d] = BF16::store(vr[d] * vs);
+      } else {
+        for (int p = 0; p < P; ++p) kb[p * kXKB + j] = 0;
+        for (int d = 0; d < D; ++d) vw[2 * d] = 0;
+      }
+    }
+  }
+}
+
 // R query rows (pairs of bf16 as words, D/2 each) against one key block whose first visible[i]
 // keys row i may see (at least one row sees one): online-softmax update of acc (R x D float32,
 // unnormalized), mx and den.
@@ -171,12 +201,14 @@ void extend_item_bf16(const uint16_t* q, int64_t q_stride_t, int64_t q_stride_h,
   }
 }
 
-template <int D>
-void extend_attention_bf16_impl(const uint16_t* q, int64_t q_stride_t, int64_t q_stride_h, const uint16_t* k_buf,
-                                const uint16_t* v_buf, const int64_t* kv_indices, int64_t width,
+// I8: the pool holds int8 rows with their scales (kv_int8.h), dequantized as they are packed.
+template <int D, bool I8>
+void extend_attention_bf16_impl(const uint16_t* q, int64_t q_stride_t, int64_t q_stride_h, const void* k_buf,
+                                const void* v_buf, const int64_t* kv_indices, int64_t width,
                                 const int64_t* seq_lens, const int64_t* cu, int64_t batch, int64_t heads,
                                 int64_t kv_heads, float scale, uint16_t* out) {
-  const int64_t group = heads / kv_heads, row = kv_heads * D;
+  const int64_t head_row = I8 ? D + static_cast<int64_t>(sizeof(float)) : D;  // elements of one head's row
+  const int64_t group = heads / kv_heads, row = kv_heads * head_row;
   const int64_t words = (kXKB / 2) * D;  // per key block, in K and in V alike
   std::vector<int64_t> base(batch * kv_heads);
   int64_t total = 0;
@@ -189,8 +221,15 @@ void extend_attention_bf16_impl(const uint16_t* q, int64_t q_stride_t, int64_t q
   parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / kv_heads, kh = it % kv_heads;
-      pack_kv_bf16<D>(k_buf + kh * D, v_buf + kh * D, kv_indices + b * width, seq_lens[b], row,
-                      (seq_lens[b] + kXKB - 1) / kXKB, kp.data() + base[it], vp.data() + base[it]);
+      const int64_t blocks = (seq_lens[b] + kXKB - 1) / kXKB;
+      if constexpr (I8) {
+        pack_kv_int8<D>(static_cast<const int8_t*>(k_buf) + kh * head_row,
+                        static_cast<const int8_t*>(v_buf) + kh * head_row, kv_indices + b * width, seq_lens[b], row,
+                        blocks, kp.data() + base[it], vp.data() + base[it]);
+      } else {
+        pack_kv_bf16<D>(static_cast<const uint16_t*>(k_buf) + kh * D, static_cast<const uint16_t*>(v_buf) + kh * D,
+                        kv_indices + b * width, seq_lens[b], row, blocks, kp.data() + base[it], vp.data() + base[it]);
+      }
     }
   });
   const auto items = extend_items(batch, kv_heads, cu, seq_lens, kXQB);

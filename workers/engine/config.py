@@ -24,6 +24,9 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DEFAULT_OVERLAP = {"cpu": False, "cuda": True}
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None  # None = the embedded default model
@@ -51,13 +54,15 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # token budget of one prefill batch
     chunked_prefill_size: int = 2048  # -1 or 0 disables chunking
     # A prefill step also carries every running decode (one token each, out of the prefill's token
-    # budget): decodes never wait behind a prefill, and one forward reads the weights for both.
-    enable_mixed_chunk: bool = True
+    # budget): decodes never wait behind a prefill, and one forward reads the weights for both. Off
+    # by default: a forward that fails fails every sequence of its step, and a new prompt's first
+    # chunk then shares its step with the running decodes instead of running alone.
+    enable_mixed_chunk: bool = False
     # A mixed step carries as many prefill tokens as keep its time near this many decode steps'
     # (learned from the steps run, engine/step_cost.py), within the chunk size; <= 1: the chunk.
-    # Small budgets bound the decodes' inter-token latency but slow the prompts that wait
-    # (load_tests/bench_mixed.py measures both), so the default is the chunk.
-    mixed_step_ratio: float = 0.0
+    # This bounds the decodes' inter-token latency, at the price of the waiting prompts' TTFT
+    # (load_tests/bench_mixed.py measures both).
+    mixed_step_ratio: float = 2.5
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | lfu (radix_cache.py)
@@ -79,6 +84,10 @@ class EngineConfig:
     max_lora_rank: int | None = None
     max_loaded_loras: int | None = None
     attention_backend: str = "auto"  # models/attention.py: auto | cpu | torch | triton | torch_ref
+    # The KV cache's element type: auto (the model's dtype) | int8 (each token's head rounded to
+    # int8 with a float32 scale of its own: 0.53x bf16's bytes at head size 64, kernels/csrc/
+    # kv_int8.h; bf16 models on the cpu attention backend of AVX512-BF16 CPUs).
+    kv_cache_dtype: str = "auto"
     # CUDA graphs of the decode forward, one per batch-size bucket (CUDA only; tp_size 1).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
@@ -170,6 +179,7 @@ class EngineConfig:
             raise ValueError("kv_peer_tp_size must be >= 0")
         if self.deterministic:
             self._check_deterministic()
+        self._check_kv_cache_dtype()
         self._check_quantization()
         self._check_lora()
 
@@ -191,6 +201,18 @@ class EngineConfig:
             raise ValueError(
                 f"deterministic mode needs the cpu attention backend, not {self.attention_backend!r}"
             )
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "auto":
+            return
+        if self.deterministic:
+            raise ValueError(
+                "deterministic mode keeps the KV cache in the model's dtype (kv_cache_dtype auto)"
+            )
+        if self.device == "cuda" or self.attention_backend not in ("auto", "cpu"):
+            raise ValueError("an int8 KV cache runs on the cpu attention backend (device cpu)")
 
     def _check_tiers(self) -> None:
         if self.hicache_host_size < 0 or self.hicache_disk_size < 0:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from radixserve.kernels import cpu_ops
 from radixserve.workers.distributed.device import resolve_device
 from radixserve.workers.distributed.launch import RankLauncher
 from radixserve.workers.engine.commands import (
@@ -130,16 +131,17 @@ class EngineCore:
             )
             mc = loaded.config
             self.lora = _lora_manager(config, loaded.model, mc.dtype, self.device, self.tp)
+            kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded)
             self.pool = KVPool(
                 mc.num_layers,
                 loaded.local_kv_heads,
                 mc.head_dim,
-                self._pool_tokens(loaded),
-                dtype=mc.dtype,
+                self._pool_tokens(loaded, kv_dtype),
+                dtype=kv_dtype,
                 device=self.device,
                 page_size=config.page_size,
             )
-            self.tp.share_pool(self.pool.size, config.page_size)
+            self.tp.share_pool(self.pool.size, config.page_size, kv_dtype)
         except BaseException as exc:
             self.tp.abort(f"rank 0 failed to start: {exc}")
             raise
@@ -213,12 +215,12 @@ class EngineCore:
         # Published at every step boundary, replaced whole (never mutated): any thread may read it.
         self.load = EngineLoad()
 
-    def _pool_tokens(self, loaded: Any) -> int:
+    def _pool_tokens(self, loaded: Any, kv_dtype: torch.dtype) -> int:
         mc = loaded.config
         if self.config.max_total_tokens:
             return self.config.max_total_tokens
         heads = loaded.local_kv_heads  # this rank's share: each rank sizes its own memory
-        per_token = KVPool.bytes_per_token(mc.num_layers, heads, mc.head_dim, mc.dtype)
+        per_token = KVPool.bytes_per_token(mc.num_layers, heads, mc.head_dim, kv_dtype)
         if self.device.type == "cuda":
             # The fraction of the GPU's memory holds everything in use now (the weights, the CUDA
             # context, any other process) plus the pool; the rest is left to activations.
@@ -593,6 +595,27 @@ class EngineCore:
             self.disk_tier.close()
         if self.lora is not None:
             self.lora.close()
+
+
+def kv_cache_dtype(name: str, loaded: Any) -> torch.dtype:
+    """The KV pool's dtype for the engine's kv_cache_dtype: the model's, or int8 where its kernels
+    run (ValueError where they do not)."""
+    mc = loaded.config
+    if name == "auto":
+        return mc.dtype
+    group = mc.num_heads // mc.num_kv_heads
+    if (
+        mc.dtype != torch.bfloat16
+        or loaded.model.backend.name != "cpu"
+        or not cpu_ops.kv_int8_available(mc.head_dim, group)
+    ):
+        raise ValueError(
+            "kv_cache_dtype int8 runs a bfloat16 model on the cpu attention backend of a CPU with "
+            f"AVX512-BF16, head size 64 (up to 8 query heads a KV head) or 128 (up to 4); this one: "
+            f"{mc.dtype}, the {loaded.model.backend.name} backend, head size {mc.head_dim}, {group} query heads "
+            "a KV head"
+        )
+    return torch.int8
 
 
 def _lora_layout(config: EngineConfig) -> tuple[int, int, int] | None:

@@ -159,7 +159,7 @@ def _load(
         loaded.local_kv_heads,
         mc.head_dim,
         int(layout["num_slots"]),
-        dtype=mc.dtype,
+        dtype=getattr(torch, layout["dtype"]),  # the model's, or int8 (kv_cache_dtype)
         device=device,
         page_size=int(layout["page_size"]),
     )

@@ -156,11 +156,12 @@ class TPLeader:
         logger.info("tensor-parallel group of %d ranks joined (ep_size %d)", config.tp_size, config.ep_size)
         return leader
 
-    def share_pool(self, num_slots: int, page_size: int) -> None:
+    def share_pool(self, num_slots: int, page_size: int, dtype: torch.dtype) -> None:
         """Publish rank 0's pool layout; return once every rank has its shard and its pool."""
         if self.store is None:
             return
-        self.store.set(POOL_KEY, json.dumps({"num_slots": num_slots, "page_size": page_size}))
+        layout = {"num_slots": num_slots, "page_size": page_size, "dtype": str(dtype).removeprefix("torch.")}
+        self.store.set(POOL_KEY, json.dumps(layout))
         self._wait_for("ready")
         self._last_sent = time.monotonic()
 

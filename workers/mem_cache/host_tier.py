@@ -21,7 +21,7 @@ from radixserve.workers.mem_cache.kv_pool import KVPool
 class HostTier:
     def __init__(self, device_pool: KVPool, num_slots: int):
         k0 = device_pool.k_buffers[0] if device_pool.k_buffers else None
-        heads, head_dim = (k0.shape[1], k0.shape[2]) if k0 is not None else (1, 1)
+        heads, head_dim = (k0.shape[1], device_pool.head_dim) if k0 is not None else (1, 1)
         self.device_pool = device_pool
         self.pool = KVPool(
             len(device_pool.k_buffers),
@@ -47,7 +47,9 @@ class HostTier:
         if gb <= 0:
             return NullHostTier()
         k0 = device_pool.k_buffers[0]
-        token_bytes = KVPool.bytes_per_token(len(device_pool.k_buffers), k0.shape[1], k0.shape[2], k0.dtype)
+        token_bytes = KVPool.bytes_per_token(
+            len(device_pool.k_buffers), k0.shape[1], device_pool.head_dim, device_pool.dtype
+        )
         return cls(device_pool, int(gb * (1 << 30)) // token_bytes)
 
     @property

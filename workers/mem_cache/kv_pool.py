@@ -17,6 +17,10 @@ import torch
 class KVPool:
     """Per-layer K and V tensors over token slots.
 
+    dtype torch.int8 is the int8 KV cache (kernels/csrc/kv_int8.h): a (token, head) row holds the
+    head's values rounded to int8 and, in its last 4 bytes, the float32 scale they share, so the
+    buffers are [slots, heads, head_dim + 4] int8 and whatever copies rows copies the scales.
+
     Slot 0 (the whole first page) is reserved as a dummy/padding slot: it is never allocated, so
     kernels may point padding entries at it and write garbage there. Allocation is by pages of
     `page_size` slots; slot s lives in page s // page_size, and a request always owns whole pages.
@@ -40,11 +44,12 @@ class KVPool:
         self.num_pages = num_slots // page_size
         self.size = self.num_pages * page_size
         self.dtype = dtype
+        self.head_dim = head_dim
         self.device = torch.device(device)
         # On CPU torch.empty: the OS maps pages lazily, so an oversized pool costs nothing until
         # touched. A GPU's caching allocator hands back recycled memory, which may hold NaNs that a
         # masked attention weight (0 * NaN) would spread: zeros there.
-        shape = (num_slots + page_size, num_kv_heads, head_dim)
+        shape = (num_slots + page_size, num_kv_heads, row_width(head_dim, dtype))
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         self.k_buffers = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -110,8 +115,22 @@ class KVPool:
         """Whether `slot`'s page is on the free list (used by integrity checks)."""
         return bool(self._page_free[slot // self.page_size])
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the rows are int8 with their scales (not the model's dtype)."""
+        return self.dtype == torch.int8
+
     @staticmethod
     def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) -> int:
         """Bytes one token's K and V take across all layers."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * elem
+        return 2 * num_layers * num_kv_heads * row_width(head_dim, dtype) * elem
+
+
+# Bytes of the float32 scale after an int8 row's values.
+INT8_SCALE_BYTES = 4
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one (token, head) row of a pool of `dtype`."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim

@@ -44,8 +44,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatc
     k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
     if cpu_ops.store_kv_(k, v, k_buf, v_buf, batch.out_slots):
         return
+    if k_buf.dtype == torch.int8:  # an int8 pool (KVPool): values and scales, as the kernel stores
+        k, v = cpu_ops.kv_int8_rows(k), cpu_ops.kv_int8_rows(v)
     k_buf.index_copy_(0, batch.out_slots, k.to(k_buf.dtype))
     v_buf.index_copy_(0, batch.out_slots, v.to(v_buf.dtype))
+
+
+def pool_values(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The K or V rows of `slots` as float32 [len, heads, D], an int8 pool's dequantized."""
+    rows = buf[slots]
+    return cpu_ops.kv_int8_values(rows) if buf.dtype == torch.int8 else rows.float()
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -62,8 +70,8 @@ class TorchReferenceBackend(AttentionBackend):
         cu = batch.cu_extend
         for i, (seq_len, prefix) in enumerate(zip(batch.seq_lens_list, batch.prefix_lens_list)):
             slots = batch.kv_indices[i, :seq_len]
-            keys = k_buf[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
-            values = v_buf[slots].float().repeat_interleave(group, dim=1)
+            keys = pool_values(k_buf, slots).repeat_interleave(group, dim=1)  # [L, H, D]
+            values = pool_values(v_buf, slots).repeat_interleave(group, dim=1)
             queries = q[cu[i] : cu[i + 1]].float()  # [E, H, D]
             scores = torch.einsum("ehd,lhd->hel", queries, keys) * scale
             query_pos = prefix + torch.arange(queries.shape[0], device=q.device).unsqueeze(1)
@@ -126,15 +134,16 @@ class CpuBackend(AttentionBackend):
         if batch.attn_metadata is None:
             self.prepare(batch)
         k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+        qk = q if k_buf.dtype == torch.int8 else q.to(k_buf.dtype)  # an int8 pool takes bf16 q
         if batch.kind is BatchKind.DECODE:
             kv_indices, seq_lens = batch.attn_metadata
             out = cpu_ops.decode_attention(
-                q.to(k_buf.dtype), k_buf, v_buf, kv_indices, seq_lens, fixed_order=self.batch_invariant
+                qk, k_buf, v_buf, kv_indices, seq_lens, fixed_order=self.batch_invariant
             )
             return out.to(q.dtype)
         meta = batch.attn_metadata
         out = cpu_ops.extend_attention_native(
-            q.to(k_buf.dtype),
+            qk,
             k_buf,
             v_buf,
             meta.kv_indices,
@@ -174,8 +183,8 @@ def _extend_sdpa(q, k, v, k_buf, v_buf, seqs: list[_ExtendSeq]) -> torch.Tensor:
             values = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
         else:
-            keys = k_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-            values = v_buf.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            keys = pool_values(k_buf, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            values = pool_values(v_buf, seq.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, enable_gqa=True)
         out[seq.start : seq.end] = o.squeeze(0).transpose(0, 1)
     return out

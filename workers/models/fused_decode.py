@@ -85,7 +85,10 @@ class FusedDecode:
             batch.kind is BatchKind.DECODE
             and batch.lora is None
             and batch.num_tokens < self.max_rows
-            and kv_pool.k_buffers[0].dtype == self.dtype
+            and (
+                kv_pool.k_buffers[0].dtype == self.dtype
+                or (kv_pool.quantized and self.dtype == torch.bfloat16)  # the int8 pool's kernels
+            )
         )
 
     def run(
