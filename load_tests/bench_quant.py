@@ -8,7 +8,7 @@ for a GGUF model that is the file dequantized, so `gguf` is compared with the sa
 Decode rates are medians of --rounds rounds in which the models take turns.
 
     python -m load_tests.bench_quant [--model PATH] [--dtype auto] [--quantization int8,gguf,gguf:int8]
-    python -m load_tests.bench_quant --dtype bfloat16 --quantization kv-int8   # the int8 KV cache
+    python -m load_tests.bench_quant --dtype bfloat16 --quantization kv-int8 --context 2000  # int8 KV
     python -m load_tests.bench_quant --crossover   # fused kernels vs dequantize + GEMM, per rows
     python -m load_tests.bench_quant --strips-crossover   # bf16 rows: row layout, strips, GEMMs
 """
@@ -101,7 +101,8 @@ def fixed_text() -> str:
 
 def measure(runners: dict[str, Runner], prompts: list[list[int]], args) -> dict[str, dict]:
     """Decode tokens per second at batch 1 and 16, the models taking turns round after round (the
-    host's speed drifts: every model sees the same drift), median of --rounds."""
+    host's speed drifts: every model sees the same drift), median of --rounds. The prompts are
+    --context tokens long (the KV each decode step reads)."""
     for r in runners.values():
         r.greedy(prompts[:1], 4)  # warm-up
     rates: dict[str, dict[str, list[float]]] = {name: {"b1": [], "b16": []} for name in runners}
@@ -221,6 +222,7 @@ def main() -> None:
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--context", type=int, default=16, help="prompt tokens of the decode-rate prompts")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--crossover", action="store_true")
     p.add_argument("--strips-crossover", action="store_true")
@@ -243,8 +245,12 @@ def main() -> None:
     ids = ref.tokenizer(fixed_text())["input_ids"]
     text_ids, rest = ids[: args.ppl_tokens], ids[args.ppl_tokens :]
     prompts = [rest[16 * i : 16 * i + 16] for i in range(64)]
-    runners = {m: Runner(lm, kv_dtype=torch.int8 if m == "kv-int8" else None) for m, lm in loaded.items()}
-    rates = measure(runners, prompts, args)
+    slots = max(8192, 16 * (args.context + args.decode_tokens) + 64)
+    runners = {
+        m: Runner(lm, slots, kv_dtype=torch.int8 if m == "kv-int8" else None) for m, lm in loaded.items()
+    }
+    long_prompts = [(ids * (1 + args.context // len(ids)))[i * 97 : i * 97 + args.context] for i in range(16)]
+    rates = measure(runners, prompts if args.context <= 16 else long_prompts, args)
     result = {}
     for m, r in runners.items():
         result[m] = {
