@@ -146,6 +146,7 @@ def test_the_engine_on_an_int8_cache_tracks_its_bf16_cache():
             assert again["meta_info"]["cached_tokens"] > 50
             assert again["output_ids"] == first["output_ids"]
             assert_kv_invariant(engine)
+            assert engine.stats()["kv_cache_dtype"] == ("int8" if kv == "int8" else "bfloat16")
             runs[kv] = (first, engine.core.pool.size, engine.core.pool.k_buffers[0].dtype)
         finally:
             engine.shutdown()

@@ -249,7 +249,9 @@ def test_bad_quantization_settings_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="not a .gguf"):
         load_model(tiny_llama, "float32", quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineConfig(quantization="fp8")
+        EngineConfig(quantization="fp4")
+    with pytest.raises(ValueError, match="not fp8 ones"):
+        EngineConfig(quantization="fp8", quantized_activations="int8")
     with pytest.raises(ValueError, match="deterministic"):
         EngineConfig(quantization="gguf", deterministic=True)
 

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from radixserve.kernels import cpu_ops
 from radixserve.workers.distributed.device import resolve_device
 from radixserve.workers.distributed.launch import RankLauncher
 from radixserve.workers.engine.commands import (
@@ -64,7 +63,7 @@ from radixserve.workers.lora.adapter import LoRAError, config_rank
 from radixserve.workers.lora.manager import LoRAManager
 from radixserve.workers.mem_cache.disk_tier import DiskTier
 from radixserve.workers.mem_cache.host_tier import HostTier
-from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.mem_cache.kv_pool import KVPool, pool_dtype
 from radixserve.workers.mem_cache.memory import max_tokens_for_memory
 from radixserve.workers.mem_cache.prefix_cache import NullCache
 from radixserve.workers.mem_cache.radix_cache import RadixCache
@@ -131,7 +130,13 @@ class EngineCore:
             )
             mc = loaded.config
             self.lora = _lora_manager(config, loaded.model, mc.dtype, self.device, self.tp)
-            kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded)
+            kv_dtype = pool_dtype(
+                config.kv_cache_dtype,
+                mc.dtype,
+                str(loaded.model.backend.name),
+                mc.head_dim,
+                mc.num_heads // mc.num_kv_heads,
+            )
             self.pool = KVPool(
                 mc.num_layers,
                 loaded.local_kv_heads,
@@ -278,6 +283,7 @@ class EngineCore:
             tp_size=self.config.tp_size,
             device=str(self.device),
             attention_backend=self.attention_backend,
+            kv_cache_dtype=str(self.pool.dtype).removeprefix("torch."),
             cuda_graph_replays=graphs.replayed if graphs is not None else 0,
             running=len(sched.running),
             queued=len(sched.waiting),
@@ -595,27 +601,6 @@ class EngineCore:
             self.disk_tier.close()
         if self.lora is not None:
             self.lora.close()
-
-
-def kv_cache_dtype(name: str, loaded: Any) -> torch.dtype:
-    """The KV pool's dtype for the engine's kv_cache_dtype: the model's, or int8 where its kernels
-    run (ValueError where they do not)."""
-    mc = loaded.config
-    if name == "auto":
-        return mc.dtype
-    group = mc.num_heads // mc.num_kv_heads
-    if (
-        mc.dtype != torch.bfloat16
-        or loaded.model.backend.name != "cpu"
-        or not cpu_ops.kv_int8_available(mc.head_dim, group)
-    ):
-        raise ValueError(
-            "kv_cache_dtype int8 runs a bfloat16 model on the cpu attention backend of a CPU with "
-            f"AVX512-BF16, head size 64 (up to 8 query heads a KV head) or 128 (up to 4); this one: "
-            f"{mc.dtype}, the {loaded.model.backend.name} backend, head size {mc.head_dim}, {group} query heads "
-            "a KV head"
-        )
-    return torch.int8
 
 
 def _lora_layout(config: EngineConfig) -> tuple[int, int, int] | None:

@@ -13,6 +13,8 @@ from collections import deque
 
 import torch
 
+from radixserve.kernels import cpu_ops
+
 
 class KVPool:
     """Per-layer K and V tensors over token slots.
@@ -134,3 +136,19 @@ INT8_SCALE_BYTES = 4
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements of one (token, head) row of a pool of `dtype`."""
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def pool_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, backend: str, head_dim: int, group: int
+) -> torch.dtype:
+    """The pool's dtype for an engine's kv_cache_dtype: "auto" is the model's; "int8" where its
+    kernels run (a bf16 model on the cpu attention backend, csrc/kv_int8.h), else ValueError."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if model_dtype != torch.bfloat16 or backend != "cpu" or not cpu_ops.kv_int8_available(head_dim, group):
+        raise ValueError(
+            "kv_cache_dtype int8 runs a bfloat16 model on the cpu attention backend of a CPU with "
+            "AVX512-BF16, head size 64 (up to 8 query heads a KV head) or 128 (up to 4); this one: "
+            f"{model_dtype}, the {backend} backend, head size {head_dim}, {group} query heads a KV head"
+        )
+    return torch.int8
