@@ -79,17 +79,10 @@ void qk_scores(const uint16_t* q, int64_t q_stride_h, const uint16_t* k_buf, con
       sc[g * len + l] = _mm512_reduce_add_ps(qk_partial<D>(k_buf + slots[l] * row, qv[g])) * scale;
 }
 
-// One (sequence, kv head) item for G query heads of head size D. q rows q + g * q_stride_h,
-// output rows out + g * D.
-template <int D, int G>
-void decode_item_avx512(const uint16_t* q, int64_t q_stride_h, const uint16_t* k_buf, const uint16_t* v_buf,
-                        const int64_t* slots, int64_t len, int64_t row, float scale, uint16_t* out,
-                        std::vector<float>& scores) {
-  constexpr int NV = D / 16;  // float32 vectors per head row
-  scores.resize(G * len);
-  float* sc = scores.data();
-  float inv_sum[G];
-  qk_scores<D, G>(q, q_stride_h, k_buf, slots, len, row, scale, sc);
+// Each of the G rows of `len` scores made its softmax's numerators (exp of score - max), in place;
+// inv_sum[g] = 1 / their sum.
+template <int G>
+inline void softmax_rows(float* sc, int64_t len, float* inv_sum) {
   for (int g = 0; g < G; ++g) {
     float* sg = sc + g * len;
     float m = -std::numeric_limits<float>::infinity();
@@ -102,6 +95,34 @@ void decode_item_avx512(const uint16_t* q, int64_t q_stride_h, const uint16_t* k
     }
     inv_sum[g] = 1.f / total;
   }
+}
+
+// out[g * D ...] = acc[g] * inv_sum[g] in bf16, for the G heads of an item.
+template <int D, int G>
+inline void store_rows_bf16(const __m512 (&acc)[G][D / 16], const float* inv_sum, uint16_t* out) {
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+#pragma GCC unroll 8
+    for (int c = 0; c < D / 16; ++c) {
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + 16 * c), (__m256i)r);
+    }
+  }
+}
+
+// One (sequence, kv head) item for G query heads of head size D. q rows q + g * q_stride_h,
+// output rows out + g * D.
+template <int D, int G>
+void decode_item_avx512(const uint16_t* q, int64_t q_stride_h, const uint16_t* k_buf, const uint16_t* v_buf,
+                        const int64_t* slots, int64_t len, int64_t row, float scale, uint16_t* out,
+                        std::vector<float>& scores) {
+  constexpr int NV = D / 16;  // float32 vectors per head row
+  scores.resize(G * len);
+  float* sc = scores.data();
+  float inv_sum[G];
+  qk_scores<D, G>(q, q_stride_h, k_buf, slots, len, row, scale, sc);
+  softmax_rows<G>(sc, len, inv_sum);
   __m512 acc[G][NV];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g)
@@ -120,15 +141,7 @@ void decode_item_avx512(const uint16_t* q, int64_t q_stride_h, const uint16_t* k
       for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
     }
   }
-#pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) {
-      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + 16 * c), (__m256i)r);
-    }
-  }
+  store_rows_bf16<D, G>(acc, inv_sum, out);
 }
 
 using DecodeItemFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, const int64_t*, int64_t,

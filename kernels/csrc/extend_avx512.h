@@ -42,34 +42,43 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, whole);
 }
 
-template <int D>
-void pack_kv_bf16(const uint16_t* k_head, const uint16_t* v_head, const int64_t* slots, int64_t len, int64_t row,
-                  int64_t blocks, uint32_t* kp, uint32_t* vp) {
-  constexpr int P = D / 2;
-  for (int64_t b = 0; b < blocks; ++b) {
-    uint32_t* kb = kp + b * P * kXKB;
-    uint16_t* vb = reinterpret_cast<uint16_t*>(vp + b * (kXKB / 2) * D);
-    for (int64_t j = 0; j < kXKB; ++j) {
-      const int64_t l = b * kXKB + j;
-      uint16_t* vw = vb + (j / 2) * 2 * D + (j & 1);
-      if (l < len) {
-        const uint32_t* kr = reinterpret_cast<const uint32_t*>(k_head + slots[l] * row);
-        const uint16_t* vr = v_head + slots[l] * row;
-        for (int p = 0; p < P; ++p) kb[p * kXKB + j] = kr[p];
-        for (int d = 0; d < D; ++d) vw[2 * d] = vr[d];
-      } else {
-        for (int p = 0; p < P; ++p) kb[p * kXKB + j] = 0;
-        for (int d = 0; d < D; ++d) vw[2 * d] = 0;
-      }
-    }
-  }
-}
+// The rows a pack reads, as bf16 words: a bf16 pool's as they are; an int8 pool's (kv_int8.h: D
+// int8 values and their float32 scale) each value times its row's scale, rounded to bf16.
+struct Bf16Rows {
+  const uint16_t *k, *v;
+  int64_t row;
+  struct Row {
+    const uint16_t *k, *v;
+    uint32_t key_pair(int p) const { return reinterpret_cast<const uint32_t*>(k)[p]; }
+    uint16_t value(int d) const { return v[d]; }
+  };
+  Row at(int64_t slot) const { return {k + slot * row, v + slot * row}; }
+};
 
-// pack_kv_bf16 for an int8 pool (kv_int8.h's rows: D int8 values and their float32 scale): each
-// value times its row's scale, rounded to bf16 as it is packed.
 template <int D>
-void pack_kv_int8(const int8_t* k_head, const int8_t* v_head, const int64_t* slots, int64_t len, int64_t row,
-                  int64_t blocks, uint32_t* kp, uint32_t* vp) {
+struct Int8Rows {
+  const int8_t *k, *v;
+  int64_t row;
+  struct Row {
+    const int8_t *k, *v;
+    float ks, vs;
+    uint32_t key_pair(int p) const {
+      return static_cast<uint32_t>(BF16::store(k[2 * p] * ks)) |
+             (static_cast<uint32_t>(BF16::store(k[2 * p + 1] * ks)) << 16);
+    }
+    uint16_t value(int d) const { return BF16::store(v[d] * vs); }
+  };
+  Row at(int64_t slot) const {
+    Row r{k + slot * row, v + slot * row, 0.f, 0.f};
+    std::memcpy(&r.ks, r.k + D, sizeof(float));
+    std::memcpy(&r.vs, r.v + D, sizeof(float));
+    return r;
+  }
+};
+
+// One sequence's keys and values of one head packed in blocks (the layouts above).
+template <int D, typename Rows>
+void pack_kv(const Rows& rows, const int64_t* slots, int64_t len, int64_t blocks, uint32_t* kp, uint32_t* vp) {
   constexpr int P = D / 2;
   for (int64_t b = 0; b < blocks; ++b) {
     uint32_t* kb = kp + b * P * kXKB;
@@ -78,15 +87,9 @@ void pack_kv_int8(const int8_t* k_head, const int8_t* v_head, const int64_t* slo
       const int64_t l = b * kXKB + j;
       uint16_t* vw = vb + (j / 2) * 2 * D + (j & 1);
       if (l < len) {
-        const int8_t* kr = k_head + slots[l] * row;
-        const int8_t* vr = v_head + slots[l] * row;
-        float ks, vs;
-        std::memcpy(&ks, kr + D, sizeof(float));
-        std::memcpy(&vs, vr + D, sizeof(float));
-        for (int p = 0; p < P; ++p)
-          kb[p * kXKB + j] = static_cast<uint32_t>(BF16::store(kr[2 * p] * ks)) |
-                             (static_cast<uint32_t>(BF16::store(kr[2 * p + 1] * ks)) << 16);
-        for (int d = 0; d < D; ++d) vw[2 * d] = BF16::store(vr[d] * vs);
+        const auto r = rows.at(slots[l]);
+        for (int p = 0; p < P; ++p) kb[p * kXKB + j] = r.key_pair(p);
+        for (int d = 0; d < D; ++d) vw[2 * d] = r.value(d);
       } else {
         for (int p = 0; p < P; ++p) kb[p * kXKB + j] = 0;
         for (int d = 0; d < D; ++d) vw[2 * d] = 0;
@@ -222,13 +225,15 @@ void extend_attention_bf16_impl(const uint16_t* q, int64_t q_stride_t, int64_t q
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / kv_heads, kh = it % kv_heads;
       const int64_t blocks = (seq_lens[b] + kXKB - 1) / kXKB;
+      const int64_t* slots = kv_indices + b * width;
       if constexpr (I8) {
-        pack_kv_int8<D>(static_cast<const int8_t*>(k_buf) + kh * head_row,
-                        static_cast<const int8_t*>(v_buf) + kh * head_row, kv_indices + b * width, seq_lens[b], row,
-                        blocks, kp.data() + base[it], vp.data() + base[it]);
+        const Int8Rows<D> rows{static_cast<const int8_t*>(k_buf) + kh * head_row,
+                               static_cast<const int8_t*>(v_buf) + kh * head_row, row};
+        pack_kv<D>(rows, slots, seq_lens[b], blocks, kp.data() + base[it], vp.data() + base[it]);
       } else {
-        pack_kv_bf16<D>(static_cast<const uint16_t*>(k_buf) + kh * D, static_cast<const uint16_t*>(v_buf) + kh * D,
-                        kv_indices + b * width, seq_lens[b], row, blocks, kp.data() + base[it], vp.data() + base[it]);
+        const Bf16Rows rows{static_cast<const uint16_t*>(k_buf) + kh * D, static_cast<const uint16_t*>(v_buf) + kh * D,
+                            row};
+        pack_kv<D>(rows, slots, seq_lens[b], blocks, kp.data() + base[it], vp.data() + base[it]);
       }
     }
   });

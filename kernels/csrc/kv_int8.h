@@ -113,18 +113,7 @@ void decode_item_int8(const uint16_t* q, int64_t q_stride_h, const int8_t* k_buf
           static_cast<float>(_mm512_reduce_add_epi32(qk_partial_i16<D>(k, qv[g]))) * (row_scale(k, D) * q_scale[g]);
   }
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = sc + g * len;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < len; ++i) m = std::max(m, sg[i]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < len; ++i) {
-      sg[i] = exp_any(sg[i] - m);
-      total += sg[i];
-    }
-    inv_sum[g] = 1.f / total;
-  }
+  softmax_rows<G>(sc, len, inv_sum);
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 8
@@ -145,14 +134,7 @@ void decode_item_int8(const uint16_t* q, int64_t q_stride_h, const int8_t* k_buf
       for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) {
-      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + 16 * c), (__m256i)r);
-    }
-  }
+  store_rows_bf16<D, G>(acc, inv_sum, out);
 }
 
 using DecodeItemI8Fn = void (*)(const uint16_t*, int64_t, const int8_t*, const int8_t*, const int64_t*, int64_t,
