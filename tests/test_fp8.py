@@ -7,13 +7,12 @@ torch's own CPU `_scaled_mm`, and on a GPU in tests/test_device_path.py."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from radixserve.kernels.fp8_ops import FP8, FP8_MAX, Fp8Tensor, fp8_reference_linear, quantize_fp8
 from radixserve.workers.models import packed_checkpoints as pc
@@ -21,9 +20,8 @@ from radixserve.workers.models.linear import Linear
 from radixserve.workers.models.loader import load_model
 from radixserve.workers.models.quant_weight import QuantWeight, quantize_fp8_, weight_nbytes
 from tests.model_driver import ModelDriver
+from tests.test_packed_checkpoints import PROJECTIONS, write_checkpoints
 from tests.tiny_models import make_tiny_checkpoint
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def weight(n=64, k=96, seed=0) -> torch.Tensor:
@@ -154,27 +152,20 @@ def fp8_checkpoint(hf_dir: str, out: Path, style: str) -> tuple[str, str]:
     """(an fp8 checkpoint, the plain checkpoint of its dequantized weights). style: "fp8-tensor"
     (quant_method fp8, one scale per tensor, static input scales), "ct-channel"
     (compressed-tensors float-quantized, one scale per output channel, bf16 scales)."""
-    qdir, ddir = out / f"{style}-q", out / f"{style}-dense"
-    for d in (qdir, ddir):
-        shutil.copytree(hf_dir, d)
-    packed, dense = {}, {}
-    for name, t in load_file(str(Path(hf_dir) / "model.safetensors")).items():
-        module, _, kind = name.rpartition(".")
-        if kind != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
-            packed[name] = dense[name] = t
-            continue
+
+    def quantize_projection(module: str, t: torch.Tensor):
+        parts = {}
         if style == "fp8-tensor":
             scale = (t.float().abs().amax() / FP8_MAX).reshape(1)
             stored = scale
-            packed[f"{module}.input_scale"] = torch.tensor([0.02])
+            parts[f"{module}.input_scale"] = torch.tensor([0.02])
         else:
             scale = (t.float().abs().amax(1, keepdim=True) / FP8_MAX).bfloat16().float()
             stored = scale.bfloat16()
         q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        packed[name], packed[f"{module}.weight_scale"] = q, stored
-        dense[name] = q.float() * scale
-    save_file(packed, str(qdir / "model.safetensors"))
-    save_file(dense, str(ddir / "model.safetensors"))
+        parts[f"{module}.weight"], parts[f"{module}.weight_scale"] = q, stored
+        return parts, q.float() * scale
+
     if style == "fp8-tensor":
         config = {"quant_method": "fp8", "activation_scheme": "static"}
     else:
@@ -185,10 +176,7 @@ def fp8_checkpoint(hf_dir: str, out: Path, style: str) -> tuple[str, str]:
             "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
             "ignore": ["lm_head"],
         }
-    cfg = json.loads((qdir / "config.json").read_text())
-    cfg["quantization_config"] = config
-    (qdir / "config.json").write_text(json.dumps(cfg))
-    return str(qdir), str(ddir)
+    return write_checkpoints(hf_dir, out, style, config, quantize_projection)
 
 
 @pytest.mark.parametrize("style", ["fp8-tensor", "ct-channel"])

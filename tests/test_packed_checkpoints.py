@@ -130,34 +130,47 @@ def ct_config(bits: int, symmetric: bool) -> dict:
     }
 
 
-def write_quantized(hf_dir: str, out: Path, fmt: str) -> tuple[str, str]:
-    """(the quantized checkpoint, the plain checkpoint of its dequantized weights)."""
-    bits, symmetric, config = FORMATS[fmt]
-    config = config or ct_config(bits, symmetric)
-    qdir, ddir = out / f"{fmt}-q", out / f"{fmt}-dense"
+def write_checkpoints(
+    hf_dir: str, out: Path, name: str, config: dict, quantize_projection
+) -> tuple[str, str]:
+    """(a quantized checkpoint, the plain checkpoint of its dequantized weights), both copies of
+    `hf_dir` under `out`: each projection's weight becomes `quantize_projection(module, weight)`'s
+    tensors (the format's own, by their full names) in the first and its dequantized weight in the
+    second; `config` is the first's quantization_config."""
+    qdir, ddir = out / f"{name}-q", out / f"{name}-dense"
     for d in (qdir, ddir):
         shutil.copytree(hf_dir, d)
     packed, dense = {}, {}
-    for name, t in load_file(str(Path(hf_dir) / "model.safetensors")).items():
-        module, _, kind = name.rpartition(".")
+    for tensor_name, t in load_file(str(Path(hf_dir) / "model.safetensors")).items():
+        module, _, kind = tensor_name.rpartition(".")
         if kind != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
-            packed[name] = dense[name] = t
+            packed[tensor_name] = dense[tensor_name] = t
             continue
-        q, scale, zero = quantize(t, bits, symmetric)
-        dense[name] = dequantized(q, scale, zero)
-        if fmt == "awq":
-            parts = awq_tensors(q, scale, zero)
-        elif fmt == "gptq":
-            parts = gptq_tensors(q, scale, zero)
-        else:
-            parts = ct_tensors(q, scale, zero, bits, symmetric)
-        packed.update({f"{module}.{k}": v.contiguous() for k, v in parts.items()})
+        parts, dense[tensor_name] = quantize_projection(module, t)
+        packed.update({k: v.contiguous() for k, v in parts.items()})
     save_file(packed, str(qdir / "model.safetensors"))
     save_file(dense, str(ddir / "model.safetensors"))
     cfg = json.loads((qdir / "config.json").read_text())
     cfg["quantization_config"] = config
     (qdir / "config.json").write_text(json.dumps(cfg))
     return str(qdir), str(ddir)
+
+
+def write_quantized(hf_dir: str, out: Path, fmt: str) -> tuple[str, str]:
+    """(the quantized checkpoint, the plain checkpoint of its dequantized weights)."""
+    bits, symmetric, config = FORMATS[fmt]
+
+    def quantize_projection(module: str, t: torch.Tensor):
+        q, scale, zero = quantize(t, bits, symmetric)
+        if fmt == "awq":
+            parts = awq_tensors(q, scale, zero)
+        elif fmt == "gptq":
+            parts = gptq_tensors(q, scale, zero)
+        else:
+            parts = ct_tensors(q, scale, zero, bits, symmetric)
+        return {f"{module}.{k}": v for k, v in parts.items()}, dequantized(q, scale, zero)
+
+    return write_checkpoints(hf_dir, out, fmt, config or ct_config(bits, symmetric), quantize_projection)
 
 
 @pytest.fixture(scope="module")
