@@ -364,7 +364,8 @@ HELP = {
     "kernels) | torch (flash-attn varlen or SDPA) | torch_ref (slow reference)",
     "kv_cache_dtype": "the KV cache's element type: auto (the model's dtype) | int8 (a token's head in int8 with "
     "a float32 scale of its own: 0.53x bf16's bytes at head size 64; bf16 models on the cpu attention backend "
-    "of AVX512-BF16 CPUs)",
+    "of AVX512-BF16 CPUs) | fp8_e4m3 (e4m3 with a scale per layer, the checkpoint's k_scale / v_scale or 1.0; "
+    "the triton attention backend, a GPU's default)",
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
     "cuda_graph_max_bs": "CUDA: largest decode batch replayed from a CUDA graph (larger ones run eagerly)",
     "context_length": "maximum prompt + completion tokens (default: the model's)",

@@ -11,9 +11,9 @@ Here, on CPU tensors:
 With CUDA (load_tests/gpu_check.sh runs this module on a GPU): the engine on the GPU equals
 transformers in float32, CUDA graphs equal eager decode, the default model serves a json_schema
 request and an abort in bf16, the pool is sized from the GPU's memory, fp8 weights compute with
-torch._scaled_mm (where the GPU has fp8 tensor cores), and with two GPUs a tp 2 engine over NCCL
-equals one GPU's. A test that needs more GPUs than the host has skips, naming
-torch.cuda.device_count().
+torch._scaled_mm (where the GPU has fp8 tensor cores), an fp8 KV cache tracks the bf16 cache, and
+with two GPUs a tp 2 engine over NCCL equals one GPU's. A test that needs more GPUs than the host
+has skips, naming torch.cuda.device_count().
 
 Every engine here names its device: a GPU host resolves "auto" to its GPU, where a reference on the
 cpu attention backend cannot start.
@@ -274,3 +274,30 @@ def test_cuda_fp8_weights_compute_with_scaled_mm():
     lp = [[v for v, _, _ in r["meta_info"]["input_token_logprobs"]] for r in (ref, got)]
     assert len(lp[0]) == len(lp[1]) > 10
     assert sum(abs(a - b) for a, b in zip(*lp)) / len(lp[0]) < 0.25
+
+
+def test_cuda_fp8_kv_cache_tracks_the_bf16_cache():
+    """--kv-cache-dtype fp8_e4m3 on a GPU: the compiled Triton kernels read e4m3 tiles widened to
+    bf16 (scale 1.0: the default model's checkpoint has no KV scales); CUDA graphs replay over
+    it, the prompt's logprobs stay near the bf16 cache's and the idle invariant holds."""
+    from radixserve.workers.mem_cache.kv_pool import FP8
+
+    _needs_gpus(1)
+    text = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Rome is"
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "logprob_start_len": 1}
+    runs = {}
+    for kv in ("auto", "fp8_e4m3"):
+        engine = Engine(device="cuda", kv_cache_dtype=kv, max_total_tokens=100_000)
+        try:
+            out = engine.generate(text, params)
+            again = engine.generate(text, {k: v for k, v in params.items() if k != "logprob_start_len"})
+            assert again["meta_info"]["cached_tokens"] > 10 and again["output_ids"] == out["output_ids"]
+            assert_kv_invariant(engine)
+            runs[kv] = (out, engine.core.pool.k_buffers[0].dtype)
+        finally:
+            engine.shutdown()
+    (ref, ref_dtype), (got, dtype) = runs["auto"], runs["fp8_e4m3"]
+    assert (ref_dtype, dtype) == (torch.bfloat16, FP8)
+    lp = [[v for v, _, _ in r["meta_info"]["input_token_logprobs"]] for r in (ref, got)]
+    assert len(lp[0]) == len(lp[1]) > 10
+    assert sum(abs(a - b) for a, b in zip(*lp)) / len(lp[0]) < 0.1

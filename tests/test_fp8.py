@@ -148,13 +148,27 @@ def test_quantization_fp8_quantizes_every_projection_and_halves_the_weights(tiny
         load_model(tiny, "float32", quantization="fp8")
 
 
+# The KV cache scales the checkpoints carry, per layer: (K's, V's).
+KV_SCALES = ([0.0625, 0.125], [0.03125, 0.046875])  # exact in float32
+
+
 def fp8_checkpoint(hf_dir: str, out: Path, style: str) -> tuple[str, str]:
     """(an fp8 checkpoint, the plain checkpoint of its dequantized weights). style: "fp8-tensor"
-    (quant_method fp8, one scale per tensor, static input scales), "ct-channel"
-    (compressed-tensors float-quantized, one scale per output channel, bf16 scales)."""
+    (quant_method fp8, one scale per tensor, static input scales, KV cache scales as
+    self_attn.k_scale / v_scale), "ct-channel" (compressed-tensors float-quantized, one scale per
+    output channel, bf16 scales, KV cache scales as k_proj / v_proj.output_scale). The KV cache
+    scales of layer i are KV_SCALES[0][i] (K) and KV_SCALES[1][i] (V)."""
 
     def quantize_projection(module: str, t: torch.Tensor):
         parts = {}
+        attn, _, proj = module.rpartition(".")
+        if proj in ("k_proj", "v_proj"):
+            layer = int(attn.split(".")[-2])
+            kv = KV_SCALES[proj == "v_proj"][layer]
+            if style == "fp8-tensor":
+                parts[f"{attn}.{proj[0]}_scale"] = torch.tensor(kv)
+            else:
+                parts[f"{module}.output_scale"] = torch.tensor([kv])
         if style == "fp8-tensor":
             scale = (t.float().abs().amax() / FP8_MAX).reshape(1)
             stored = scale

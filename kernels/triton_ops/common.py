@@ -9,9 +9,10 @@ then restores: no jit-decorated helpers (an interpreted body cannot call a compi
 row maxima and sums are `tl.reduce` with the standard combine functions (`MAX`, `SUM`), which is
 what `tl.max` / `tl.sum` expand to and what the interpreter recognises and runs in numpy.
 
-The interpreter does no arithmetic on bfloat16 (numpy has none): the bodies convert every load to
-float32 before use and, interpreted, keep their `tl.dot` operands float32 (`DOT_F32`); float32
-dots ask for "ieee" precision so that neither a GPU nor the interpreter rounds them to tf32.
+The interpreter does no arithmetic on bfloat16 or fp8 (numpy has none): the bodies convert every
+load to float32 before use and, interpreted, keep their `tl.dot` operands float32 (`DOT_F32`);
+float32 dots ask for "ieee" precision so that neither a GPU nor the interpreter rounds them to
+tf32. Compiled, the dots run in q's dtype, an fp8 pool's tiles widened to it after the load.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def check_pool(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_ind
         raise ValueError(
             f"{heads} query heads of dim {head_dim} cannot attend to {kv_heads} KV heads of dim {k_buf.shape[2]}"
         )
+    if k_buf.dtype != v_buf.dtype or k_buf.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"the k/v buffers hold q's dtype {q.dtype} or float8_e4m3fn, not {k_buf.dtype}")
     if head_dim < MIN_DOT or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= {MIN_DOT}; got {head_dim}")
     if k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1 or q.stride(-1) != 1:

@@ -31,6 +31,7 @@ def _split_kernel(
     MID_O,
     MID_LSE,
     qk_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_kn,
@@ -65,7 +66,7 @@ def _split_kernel(
     )
     q = q.to(tl.float32)
     if not DOT_F32:
-        q = q.to(K.dtype.element_ty)
+        q = q.to(Q.dtype.element_ty)
     seq_len = tl.load(SEQ_LENS + batch).to(tl.int32)
     split_len = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
     start = split * split_len
@@ -88,9 +89,13 @@ def _split_kernel(
             mask=col_ok[:, None],
             other=0.0,
         )
+        # An fp8 pool's tiles widen to q's dtype (a no-op for a pool in q's dtype).
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        else:
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX))
@@ -98,13 +103,13 @@ def _split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, SUM)
         if not DOT_F32:
-            p = p.to(v.dtype)
+            p = p.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
 
     # An empty split (a sequence shorter than NUM_SPLITS keys) leaves zeros and a -inf weight.
     has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     o_ptrs = MID_O + batch * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
     tl.store(o_ptrs, out, mask=head_ok[:, None])
@@ -176,11 +181,16 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D] in q's dtype: sequence b attends to slots kv_indices[b, :seq_lens[b]]
     of k_buf/v_buf [S, KVH, D] (H a multiple of KVH; D a power of two >= 16), scale 1/sqrt(D),
     float32 softmax and accumulation. Every seq_lens[b] must be >= 1; entries of kv_indices past
-    seq_lens[b] are never read. CPU tensors run in Triton's interpreter (slow: for tests)."""
+    seq_lens[b] are never read. CPU tensors run in Triton's interpreter (slow: for tests).
+
+    The buffers hold q's dtype, or fp8 (an fp8 KV cache) holding K / k_scale and V / v_scale:
+    tiles widen to q's dtype as they load and the scales apply to the scores and the output."""
     check_pool(q, k_buf, v_buf, kv_indices)
     if seq_lens.shape != (q.shape[0],) or kv_indices.shape[0] != q.shape[0]:
         raise ValueError(f"batch of {q.shape[0]} queries needs seq_lens [B] and kv_indices [B, L]")
@@ -199,12 +209,12 @@ def decode_attention(
     mid_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
     _SPLIT.on(q)[(batch, kv_heads * head_chunks, num_splits)](
         q, k_buf, v_buf, kv_indices, seq_lens, mid_o, mid_lse,
-        LOG2E / math.sqrt(head_dim),
+        LOG2E / math.sqrt(head_dim) * k_scale, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         kv_indices.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_CHUNKS=head_chunks, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, **dot_flags(k_buf.dtype, q.device),
+        NUM_SPLITS=num_splits, **dot_flags(q.dtype, q.device),
         num_warps=4, num_stages=2,
     )  # fmt: skip
     _MERGE.on(q)[(batch, heads)](

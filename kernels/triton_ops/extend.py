@@ -29,6 +29,7 @@ def _extend_kernel(
     SEQ_LENS,
     CU_EXTEND,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kn,
@@ -61,7 +62,7 @@ def _extend_kernel(
     q_ptrs = Q + (first_row + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     if not DOT_F32:
-        q = q.to(K.dtype.element_ty)
+        q = q.to(Q.dtype.element_ty)
     # Blocks past this sequence's new tokens (the grid covers the longest one) read nothing.
     key_end = tl.where(block_start < extend_len, tl.minimum(prefix_len + block_start + BLOCK_M, seq_len), 0)
 
@@ -82,9 +83,13 @@ def _extend_kernel(
             mask=col_ok[:, None],
             other=0.0,
         )
+        # An fp8 pool's tiles widen to q's dtype (a no-op for a pool in q's dtype).
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        else:
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         # Key 0 is visible to every row, so each row's running max is finite from the first block.
         visible = col_ok[None, :] & (cols[None, :] <= query_pos[:, None])
@@ -94,11 +99,11 @@ def _extend_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, SUM)
         if not DOT_F32:
-            p = p.to(v.dtype)
+            p = p.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     o_ptrs = OUT + (first_row + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
@@ -127,6 +132,8 @@ def extend_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the T new tokens of B sequences over their whole KV, in the pool.
 
@@ -135,6 +142,7 @@ def extend_attention(
     kv_indices[i, :seq_lens[i]] of k_buf/v_buf [S, KVH, D]. The j-th new token sees keys
     0..seq_lens[i]-extend_len+j. `max_extend_len` (>= every sequence's new-token count, a host
     int so that no sync is needed) sizes the grid. Returns [T, H, D] in q's dtype; float32 softmax.
+    The buffers hold q's dtype or fp8 with scales, as for decode_attention.
     """
     check_pool(q, k_buf, v_buf, kv_indices)
     batch = kv_indices.shape[0]
@@ -149,10 +157,10 @@ def extend_attention(
     grid = (batch, heads, triton.cdiv(max_extend_len, block_m))
     _EXTEND.on(q)[grid](
         q, k_buf, v_buf, out, kv_indices, seq_lens, cu_extend,
-        LOG2E / math.sqrt(head_dim),
+        LOG2E / math.sqrt(head_dim) * k_scale, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), kv_indices.stride(0),
         GROUP=heads // k_buf.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        **dot_flags(k_buf.dtype, q.device), num_warps=num_warps, num_stages=2,
+        **dot_flags(q.dtype, q.device), num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     return out

@@ -24,7 +24,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DEFAULT_OVERLAP = {"cpu": False, "cuda": True}
 
 
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # models/attention.py: auto | cpu | torch | triton | torch_ref
     # The KV cache's element type: auto (the model's dtype) | int8 (each token's head rounded to
     # int8 with a float32 scale of its own: 0.53x bf16's bytes at head size 64, kernels/csrc/
-    # kv_int8.h; bf16 models on the cpu attention backend of AVX512-BF16 CPUs).
+    # kv_int8.h; bf16 models on the cpu attention backend of AVX512-BF16 CPUs) | fp8_e4m3 (e4m3
+    # with a scale per layer, the checkpoint's k_scale / v_scale or 1.0: half of bf16's bytes; the
+    # triton attention backend, the default on a GPU).
     kv_cache_dtype: str = "auto"
     # CUDA graphs of the decode forward, one per batch-size bucket (CUDA only; tp_size 1).
     disable_cuda_graph: bool = False
@@ -211,7 +213,16 @@ class EngineConfig:
             raise ValueError(
                 "deterministic mode keeps the KV cache in the model's dtype (kv_cache_dtype auto)"
             )
-        if self.device == "cuda" or self.attention_backend not in ("auto", "cpu"):
+        if self.kv_cache_dtype == "fp8_e4m3":
+            # On a CPU host "auto" means the cpu backend, which kv_pool.pool_dtype refuses at start.
+            if self.attention_backend in ("cpu", "torch") or (
+                self.device == "cpu" and self.attention_backend == "auto"
+            ):
+                raise ValueError(
+                    "an fp8 KV cache runs on the triton attention backend (a GPU's default; on a "
+                    "CPU only in Triton's interpreter, for tests)"
+                )
+        elif self.device == "cuda" or self.attention_backend not in ("auto", "cpu"):
             raise ValueError("an int8 KV cache runs on the cpu attention backend (device cpu)")
 
     def _check_tiers(self) -> None:

@@ -137,14 +137,8 @@ class EngineCore:
                 mc.head_dim,
                 mc.num_heads // mc.num_kv_heads,
             )
-            self.pool = KVPool(
-                mc.num_layers,
-                loaded.local_kv_heads,
-                mc.head_dim,
-                self._pool_tokens(loaded, kv_dtype),
-                dtype=kv_dtype,
-                device=self.device,
-                page_size=config.page_size,
+            self.pool = loaded.kv_pool(
+                self._pool_tokens(loaded, kv_dtype), kv_dtype, self.device, config.page_size
             )
             self.tp.share_pool(self.pool.size, config.page_size, kv_dtype)
         except BaseException as exc:

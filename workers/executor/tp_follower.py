@@ -153,14 +153,8 @@ def _load(
         quantized_activations=spec.quantized_activations,
     )
     layout = json.loads(store.get(POOL_KEY))  # waits: rank 0 publishes it once its own pool is sized
-    mc = loaded.config
-    pool = KVPool(
-        mc.num_layers,
-        loaded.local_kv_heads,
-        mc.head_dim,
-        int(layout["num_slots"]),
-        dtype=getattr(torch, layout["dtype"]),  # the model's, or int8 (kv_cache_dtype)
-        device=device,
-        page_size=int(layout["page_size"]),
+    # The model's dtype, int8 or fp8 (kv_cache_dtype); an fp8 pool's scales are the checkpoint's.
+    pool = loaded.kv_pool(
+        int(layout["num_slots"]), getattr(torch, layout["dtype"]), device, int(layout["page_size"])
     )
     return loaded, pool

@@ -22,7 +22,7 @@ import struct
 
 import torch
 
-from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.mem_cache.kv_pool import KVPool, raw
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +116,10 @@ class DiskTier:
         per_buf, start, end = tokens * row, offset * row, (offset + len(slots)) * row
         for i, buf in enumerate(bufs):
             part = payload[i * per_buf + start : i * per_buf + end]
-            raw = torch.frombuffer(bytearray(part), dtype=torch.uint8)
-            src = raw.view(buf.dtype).view(len(slots), *buf.shape[1:])
-            buf.index_copy_(0, idx.to(buf.device), src.to(buf.device))
+            got = torch.frombuffer(bytearray(part), dtype=torch.uint8)
+            dst = raw(buf)
+            src = got.view(dst.dtype).view(len(slots), *buf.shape[1:])
+            dst.index_copy_(0, idx.to(buf.device), src.to(buf.device))
 
     def read_done(self, key: int) -> None:
         """Count a `read` of file `key` that succeeded off the engine thread."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.workers.mem_cache.kv_pool import KVPool
+from radixserve.workers.mem_cache.kv_pool import KVPool, raw
 
 
 class HostTier:
@@ -85,7 +85,7 @@ class HostTier:
         s = torch.tensor(src_slots, dtype=torch.long, device=src.device)
         d = torch.tensor(dst_slots, dtype=torch.long, device=dst.device)
         for sb, db in zip(src.k_buffers + src.v_buffers, dst.k_buffers + dst.v_buffers):
-            db.index_copy_(0, d, sb.index_select(0, s).to(dst.device))
+            raw(db).index_copy_(0, d, raw(sb).index_select(0, s).to(dst.device))
 
 
 class NullHostTier:

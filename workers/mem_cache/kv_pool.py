@@ -23,6 +23,10 @@ class KVPool:
     head's values rounded to int8 and, in its last 4 bytes, the float32 scale they share, so the
     buffers are [slots, heads, head_dim + 4] int8 and whatever copies rows copies the scales.
 
+    dtype FP8 (float8_e4m3fn) is the fp8 KV cache: layer l holds K / k_scales[l] and V /
+    v_scales[l] (per-tensor scales, the checkpoint's or 1.0), and the attention kernels multiply
+    them back; copies move the bytes as they are (`raw`).
+
     Slot 0 (the whole first page) is reserved as a dummy/padding slot: it is never allocated, so
     kernels may point padding entries at it and write garbage there. Allocation is by pages of
     `page_size` slots; slot s lives in page s // page_size, and a request always owns whole pages.
@@ -37,6 +41,7 @@ class KVPool:
         dtype=torch.bfloat16,
         device="cpu",
         page_size: int = 1,
+        kv_scales: tuple[list[float], list[float]] | None = None,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -48,6 +53,13 @@ class KVPool:
         self.dtype = dtype
         self.head_dim = head_dim
         self.device = torch.device(device)
+        # What a stored row is multiplied by when read: only an fp8 pool stores scaled rows.
+        k_scales, v_scales = kv_scales or ([1.0] * num_layers, [1.0] * num_layers)
+        if len(k_scales) != num_layers or len(v_scales) != num_layers:
+            raise ValueError(f"kv_scales need one K and one V scale for each of {num_layers} layers")
+        if kv_scales is not None and dtype != FP8 and any(x != 1.0 for x in (*k_scales, *v_scales)):
+            raise ValueError(f"KV scales other than 1.0 are for an fp8 pool, not {dtype}")
+        self.k_scales, self.v_scales = [float(x) for x in k_scales], [float(x) for x in v_scales]
         # On CPU torch.empty: the OS maps pages lazily, so an oversized pool costs nothing until
         # touched. A GPU's caching allocator hands back recycled memory, which may hold NaNs that a
         # masked attention weight (0 * NaN) would spread: zeros there.
@@ -131,6 +143,21 @@ class KVPool:
 
 # Bytes of the float32 scale after an int8 row's values.
 INT8_SCALE_BYTES = 4
+# The fp8 KV cache's element type (kv_cache_dtype fp8_e4m3): e4m3, finite, largest value 448.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def raw(buf: torch.Tensor) -> torch.Tensor:
+    """`buf` as bytes where it holds fp8 (torch's CPU index_copy_ and equal have no fp8 kernel),
+    else itself: for copying rows between pools, tiers and transfers as they are."""
+    return buf.view(torch.uint8) if buf.dtype == FP8 else buf
+
+
+def fp8_rows(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """K or V rows for an fp8 pool whose layer scale is `scale`: x / scale, saturated to e4m3's
+    range (a value past it would otherwise become NaN on some devices), rounded to nearest."""
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
@@ -142,9 +169,16 @@ def pool_dtype(
     kv_cache_dtype: str, model_dtype: torch.dtype, backend: str, head_dim: int, group: int
 ) -> torch.dtype:
     """The pool's dtype for an engine's kv_cache_dtype: "auto" is the model's; "int8" where its
-    kernels run (a bf16 model on the cpu attention backend, csrc/kv_int8.h), else ValueError."""
+    kernels run (a bf16 model on the cpu attention backend, csrc/kv_int8.h); "fp8_e4m3" on the
+    triton backend (and torch_ref, the reference); else ValueError."""
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype == "fp8_e4m3":
+        if backend not in ("triton", "torch_ref"):
+            raise ValueError(
+                f"kv_cache_dtype fp8_e4m3 runs on the triton attention backend (the default on a GPU), not {backend}"
+            )
+        return FP8
     if model_dtype != torch.bfloat16 or backend != "cpu" or not cpu_ops.kv_int8_available(head_dim, group):
         raise ValueError(
             "kv_cache_dtype int8 runs a bfloat16 model on the cpu attention backend of a CPU with "

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from radixserve.kernels import cpu_ops
 from radixserve.kernels.varlen_attention import extend_attention_varlen
 from radixserve.workers.batch_kind import BatchKind
+from radixserve.workers.mem_cache.kv_pool import FP8, fp8_rows, raw
 from radixserve.workers.models.forward_batch import ForwardBatch
 
 
@@ -46,14 +47,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatc
         return
     if k_buf.dtype == torch.int8:  # an int8 pool (KVPool): values and scales, as the kernel stores
         k, v = cpu_ops.kv_int8_rows(k), cpu_ops.kv_int8_rows(v)
-    k_buf.index_copy_(0, batch.out_slots, k.to(k_buf.dtype))
-    v_buf.index_copy_(0, batch.out_slots, v.to(v_buf.dtype))
+    elif k_buf.dtype == FP8:
+        k, v = fp8_rows(k, kv_pool.k_scales[layer_id]), fp8_rows(v, kv_pool.v_scales[layer_id])
+    raw(k_buf).index_copy_(0, batch.out_slots, raw(k.to(k_buf.dtype)))
+    raw(v_buf).index_copy_(0, batch.out_slots, raw(v.to(v_buf.dtype)))
 
 
-def pool_values(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The K or V rows of `slots` as float32 [len, heads, D], an int8 pool's dequantized."""
+def pool_values(buf: torch.Tensor, slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """The K or V rows of `slots` as float32 [len, heads, D]: an int8 pool's dequantized, an fp8
+    pool's times its layer's `scale`."""
     rows = buf[slots]
-    return cpu_ops.kv_int8_values(rows) if buf.dtype == torch.int8 else rows.float()
+    if buf.dtype == torch.int8:
+        return cpu_ops.kv_int8_values(rows)
+    return rows.float() * scale if buf.dtype == FP8 else rows.float()
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -70,8 +76,8 @@ class TorchReferenceBackend(AttentionBackend):
         cu = batch.cu_extend
         for i, (seq_len, prefix) in enumerate(zip(batch.seq_lens_list, batch.prefix_lens_list)):
             slots = batch.kv_indices[i, :seq_len]
-            keys = pool_values(k_buf, slots).repeat_interleave(group, dim=1)  # [L, H, D]
-            values = pool_values(v_buf, slots).repeat_interleave(group, dim=1)
+            keys = pool_values(k_buf, slots, kv_pool.k_scales[layer_id]).repeat_interleave(group, dim=1)
+            values = pool_values(v_buf, slots, kv_pool.v_scales[layer_id]).repeat_interleave(group, dim=1)
             queries = q[cu[i] : cu[i + 1]].float()  # [E, H, D]
             scores = torch.einsum("ehd,lhd->hel", queries, keys) * scale
             query_pos = prefix + torch.arange(queries.shape[0], device=q.device).unsqueeze(1)
@@ -230,14 +236,17 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch, kv_pool):
         store_kv(k, v, layer_id, batch, kv_pool)
         k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+        # An fp8 pool's tiles are widened to q's dtype in the kernel, its scales applied there.
+        scales = {"k_scale": kv_pool.k_scales[layer_id], "v_scale": kv_pool.v_scales[layer_id]}
+        q_in = q if k_buf.dtype == FP8 else q.to(k_buf.dtype)
         if batch.kind is BatchKind.DECODE:
-            out = self.ops.decode_attention(q.to(k_buf.dtype), k_buf, v_buf, batch.kv_indices, batch.seq_lens)
+            out = self.ops.decode_attention(q_in, k_buf, v_buf, batch.kv_indices, batch.seq_lens, **scales)
             return out.to(q.dtype)
         if batch.attn_metadata is None:
             self.prepare(batch)
         cu, max_extend = batch.attn_metadata
         out = self.ops.extend_attention(
-            q.to(k_buf.dtype), k_buf, v_buf, batch.kv_indices, batch.seq_lens, cu, max_extend
+            q_in, k_buf, v_buf, batch.kv_indices, batch.seq_lens, cu, max_extend, **scales
         )
         return out.to(q.dtype)
 

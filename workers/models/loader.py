@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from radixserve.kernels import cpu_ops
 from radixserve.kernels.gemm_crossover import packed_crossover
 from radixserve.workers.distributed.parallel import Parallel
+from radixserve.workers.mem_cache.kv_pool import FP8, KVPool
 from radixserve.workers.models.attention import get_backend
 from radixserve.workers.models.config import ModelConfig
 from radixserve.workers.models.gguf_convert import ensure_converted
@@ -80,6 +81,8 @@ class LoadedModel:
     tokenizer: Any  # transformers fast tokenizer with the model's chat template
     model_path: str  # resolved local directory
     name: str  # default served model name
+    # An fp8 checkpoint's KV cache scales per layer (K's, V's); None = none in the checkpoint.
+    kv_scales: tuple[list[float], list[float]] | None = None
 
     @property
     def local_kv_heads(self) -> int:
@@ -88,6 +91,24 @@ class LoadedModel:
         heads = self.model.local_kv_heads
         assert isinstance(heads, int), "every decoder class records its shard's KV heads"
         return heads
+
+    def kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device, page_size: int) -> KVPool:
+        """This rank's KV pool of `num_slots` tokens; an fp8 one scaled by the checkpoint's
+        k_scale / v_scale (1.0 where it has none)."""
+        mc = self.config
+        scales = self.kv_scales if dtype == FP8 else None
+        if dtype == FP8 and scales is None:
+            log.info("fp8 KV cache: the checkpoint has no k_scale / v_scale; every layer's scale is 1.0")
+        return KVPool(
+            mc.num_layers,
+            self.local_kv_heads,
+            mc.head_dim,
+            num_slots,
+            dtype=dtype,
+            device=device,
+            page_size=page_size,
+            kv_scales=scales,
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -345,6 +366,7 @@ def load_model(
     weights = iter_checkpoint(model_dir)
     model.load_weights(weights if reader is None else reader.dense(weights))
     on_cpu = torch.device(device).type == "cpu"
+    kv_scales = _layer_kv_scales(reader.kv_scales, config.num_layers) if reader is not None else None
     if reader is not None and reader.method == "fp8" and on_cpu:
         # No fp8 kernel here (casting the weight at every call runs ~100x slower than bf16): the
         # weights stay as loaded, each the checkpoint's value times its scale in the model dtype.
@@ -366,4 +388,26 @@ def load_model(
         raise ValueError("quantized_activations int8 multiplies quantized weights; this model has none")
     if torch_dtype == torch.bfloat16 and on_cpu:
         use_strips_(model)  # bf16 rows of x: the quantized weights in strips where that kernel runs
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, model_path=str(model_dir), name=name)
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        model_path=str(model_dir),
+        name=name,
+        kv_scales=kv_scales,
+    )
+
+
+def _layer_kv_scales(
+    found: dict[tuple[int, str], float], layers: int
+) -> tuple[list[float], list[float]] | None:
+    """A checkpoint's KV scales by layer (1.0 for a layer or side it lacks); None if it has none."""
+    if not found:
+        return None
+    if len(found) < 2 * layers:
+        log.warning(
+            "fp8 checkpoint: KV scales for %d of %d layer sides; the rest are 1.0", len(found), 2 * layers
+        )
+    return [found.get((i, "k"), 1.0) for i in range(layers)], [
+        found.get((i, "v"), 1.0) for i in range(layers)
+    ]

@@ -14,9 +14,9 @@ safetensors, read into the kernels' group form (kernels/quant_ops.py) value for 
     fp8          weight float8_e4m3fn [N, K], weight_scale [] / [1] (per tensor) or [N] / [N, 1]
     (quant_method "fp8", and compressed-tensors float-quantized)      W = q * s
                  Block-wise scales (weight_block_size) are refused. input_scale (a static scale
-                 for the activations) and k_scale / v_scale (for an fp8 KV cache) are not used:
-                 activations are scaled per row as they come (kernels/fp8_ops.py), and the KV
-                 cache keeps the model's dtype.
+                 for the activations) is not used: activations are scaled per row as they come
+                 (kernels/fp8_ops.py). k_scale / v_scale (self_attn.k_scale, or the older
+                 k_proj.output_scale) are kept in `kv_scales`: an fp8 KV cache's layer scales.
 
 Group g of a row covers input features [g * group, (g + 1) * group): act-order checkpoints (a
 `g_idx` that is not that) are refused. The scales arrive in float16 or bfloat16, so every
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,9 @@ _REQUIRED = {
     "fp8": ("weight", "weight_scale"),
 }
 # Scales of an fp8 checkpoint that the engine does not use (see the module's docstring).
-_FP8_UNUSED = ("input_scale", "k_scale", "v_scale")
+_FP8_UNUSED = ("input_scale",)
+# An fp8 checkpoint's KV cache scales: "<layers>.N.self_attn.k_scale" or "...k_proj.output_scale".
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 
 
 def checkpoint_method(model_dir: Path) -> tuple[str, dict[str, Any]] | None:
@@ -208,6 +211,8 @@ class PackedReader:
         self.method, self.config = method, config
         self.v2 = str(config.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
         self.tensors: dict[str, QuantTensor | Fp8Tensor] = {}
+        # (layer, "k" | "v") -> the scale an fp8 KV cache stores that layer's K or V divided by.
+        self.kv_scales: dict[tuple[int, str], float] = {}
 
     def dense(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -215,6 +220,9 @@ class PackedReader:
         unused = 0
         for name, tensor in weights:
             module, _, leaf = name.rpartition(".")
+            if self.method == "fp8" and (kv := _KV_SCALE.search(name)):
+                self.kv_scales[(int(kv.group(1)), kv.group(2) or kv.group(3))] = float(tensor.float().max())
+                continue
             if self.method == "fp8" and leaf in _FP8_UNUSED:
                 unused += 1
                 continue
@@ -232,8 +240,8 @@ class PackedReader:
             raise ValueError(f"quantized checkpoint tensors without all their parts: {sorted(pending)[:4]}")
         if unused:
             log.info(
-                "fp8 checkpoint: %d static activation / KV scales not used (activations are "
-                "scaled per row at run time; the KV cache keeps the model's dtype)",
+                "fp8 checkpoint: %d static activation scales not used (activations are scaled "
+                "per row at run time)",
                 unused,
             )
 
