@@ -154,6 +154,19 @@ def test_gather_scatter_moves_exactly_the_listed_slots(page_size):
         src_view.slot_index([64 + page_size])
 
 
+def test_an_fp8_pool_moves_its_bytes_as_they_are():
+    fp8 = torch.float8_e4m3fn
+    src_pool, dst_pool = make_pool(dtype=fp8, seed=1), make_pool(dtype=fp8, seed=2)
+    src_view, dst_view = PoolView(src_pool), PoolView(dst_pool)
+    src, dst = src_view.slot_index(src_pool.alloc(9)), dst_view.slot_index(dst_pool.alloc(9))
+    piece = Piece(0, 3, 0, 9)
+    out = torch.empty(src_view.payload_shape(piece), dtype=fp8)
+    dst_view.scatter(dst, piece, src_view.gather(src, piece, out))
+    assert src_view.payload_bytes(piece) == 3 * 9 * 2 * 2 * 4
+    for got, sent in zip(dst_pool.k_buffers + dst_pool.v_buffers, src_pool.k_buffers + src_pool.v_buffers):
+        assert torch.equal(got[dst].view(torch.uint8), sent[src].view(torch.uint8))
+
+
 def test_split_cuts_whole_layers_then_token_ranges():
     view = PoolView(make_pool(layers=4))  # 32 bytes per token per layer
     whole = Piece(0, 4, 0, 10)  # 320 bytes per layer
