@@ -1,7 +1,8 @@
 """The fp8 KV cache (kv_cache_dtype fp8_e4m3): a pool of e4m3 values holding K / k_scale and
 V / v_scale per layer (the checkpoint's scales, or 1.0), read by the Triton kernels, which widen
 each tile to q's dtype and apply the scales. Triton runs interpreted on these CPU tensors; the
-compiled kernels run in tests/test_device_path.py on a GPU."""
+kernels against the torch reference, compiled too on a GPU, are in tests/test_triton_attention.py,
+the engine on a GPU in tests/test_device_path.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.kernels.triton_ops import decode_attention, extend_attention
+from radixserve.kernels.triton_ops import decode_attention
 from radixserve.workers import Engine
 from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.mem_cache.disk_tier import DiskTier
@@ -48,37 +49,6 @@ def test_a_pool_holds_twice_the_tokens_and_its_layer_scales():
         KVPool(2, 3, 64, 32, dtype=FP8, kv_scales=([1.0], [1.0]))
     with pytest.raises(ValueError, match="for an fp8 pool"):
         KVPool(2, 3, 64, 32, dtype=torch.bfloat16, kv_scales=([0.5, 1.0], [1.0, 1.0]))
-
-
-def fp8_pool_and_copy(slots: int, heads: int, dim: int, scales=(0.05, 0.02), seed=0):
-    """(k8, v8): e4m3 buffers of random K/V at `scales`; (kd, vd): the float32 values they hold."""
-    k8, v8 = (
-        fp8_rows(randn(slots, heads, dim, seed=seed, scale=4), scales[0]),
-        fp8_rows(randn(slots, heads, dim, seed=seed + 1, scale=2), scales[1]),
-    )
-    return (k8, v8), (k8.float() * scales[0], v8.float() * scales[1])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [1, 3])
-def test_decode_over_fp8_equals_decode_over_the_values_it_holds(dtype, group):
-    (k8, v8), (kd, vd) = fp8_pool_and_copy(300, 2, 64)
-    q = randn(3, 2 * group, 64, seed=7).to(dtype)
-    idx = torch.randint(1, 300, (3, 130), generator=torch.Generator().manual_seed(3))
-    lens = torch.tensor([130, 1, 77])
-    got = decode_attention(q, k8, v8, idx, lens, k_scale=0.05, v_scale=0.02)
-    want = decode_attention(q.float(), kd, vd, idx, lens).to(dtype)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
-
-
-def test_extend_over_fp8_equals_extend_over_the_values_it_holds():
-    (k8, v8), (kd, vd) = fp8_pool_and_copy(300, 2, 64)
-    q = randn(19, 6, 64, seed=9)
-    idx = torch.randint(1, 300, (2, 120), generator=torch.Generator().manual_seed(4))
-    lens, cu = torch.tensor([120, 9]), torch.tensor([0, 12, 19])
-    got = extend_attention(q, k8, v8, idx, lens, cu, 12, k_scale=0.05, v_scale=0.02)
-    torch.testing.assert_close(got, extend_attention(q, kd, vd, idx, lens, cu, 12), atol=1e-5, rtol=1e-4)
 
 
 def test_the_kernels_refuse_a_pool_of_another_dtype():

@@ -76,7 +76,9 @@ def _to(device, *tensors):
 
 def _extend_reference(q, k_buf, v_buf, batch):
     """TorchReferenceBackend in float32 on float32 copies: no rounding of the reference's output."""
-    pool = types.SimpleNamespace(k_buffers=[k_buf.float()], v_buffers=[v_buf.float()])
+    pool = types.SimpleNamespace(
+        k_buffers=[k_buf.float()], v_buffers=[v_buf.float()], k_scales=[1.0], v_scales=[1.0]
+    )
     new_k, new_v = pool.k_buffers[0][batch.out_slots], pool.v_buffers[0][batch.out_slots]
     return TorchReferenceBackend().forward(q.float(), new_k, new_v, 0, batch, pool)
 
@@ -143,6 +145,48 @@ def test_decode_matches_reference(device, seq_lens, heads, kv_heads, dtype):
         *_to(device, q, k_buf, v_buf, garbage, lens), **_tiles(device, num_splits=3, block_n=16)
     )
     assert out.shape == q.shape and out.dtype == dtype and out.device.type == device
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref, atol=atol, rtol=rtol)
+
+
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.05, 0.02  # an fp8 pool's layer scales: K / 0.05 and V / 0.02 are stored
+
+
+def _fp8(k_buf, v_buf):
+    """An fp8 pool of the same K/V (scaled up to span e4m3's range), and the values it holds."""
+    k8, v8 = (k_buf.float() * 4 / K_SCALE).to(FP8), (v_buf.float() * 2 / V_SCALE).to(FP8)
+    return (k8, v8), (k8.float() * K_SCALE, v8.float() * V_SCALE)
+
+
+@pytest.mark.parametrize("device,seq_lens", _on_devices(DECODE_LENS, LONG_DECODE_LENS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_over_an_fp8_pool_equals_decode_over_the_values_it_holds(device, seq_lens, dtype):
+    """kv_cache_dtype fp8_e4m3: e4m3 tiles widened to q's dtype as they load, the scales applied
+    to the scores and the output."""
+    q, k_buf, v_buf, kv_indices, lens = _decode_inputs(seq_lens, 6, 2, 64, dtype, seed=3)
+    (k8, v8), (kd, vd) = _fp8(k_buf, v_buf)
+    ref = decode_attention_torch(q.float(), kd, vd, kv_indices, lens)
+    args = _to(device, q, k8, v8, _padded_with_garbage(kv_indices, seq_lens), lens)
+    out = decode_attention(
+        *args, k_scale=K_SCALE, v_scale=V_SCALE, **_tiles(device, num_splits=3, block_n=16)
+    )
+    assert out.dtype == dtype
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("device,case", _on_devices(EXTEND_CASES, LONG_EXTEND_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_over_an_fp8_pool_equals_extend_over_the_values_it_holds(device, case, dtype):
+    prefix_lens, extend_lens = case
+    q, k_buf, v_buf, batch = _extend_inputs(prefix_lens, extend_lens, 6, 2, 64, dtype, seed=4)
+    (k8, v8), (kd, vd) = _fp8(k_buf, v_buf)
+    ref = _extend_reference(q, kd, vd, batch)
+    args = _to(device, q, k8, v8, batch.kv_indices, batch.seq_lens, torch.tensor(batch.cu_extend))
+    out = extend_attention(
+        *args, max(extend_lens), k_scale=K_SCALE, v_scale=V_SCALE, **_tiles(device, block_m=16, block_n=16)
+    )
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out.cpu().float(), ref, atol=atol, rtol=rtol)
 
