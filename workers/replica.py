@@ -70,6 +70,7 @@ class EngineReplica:
         """`memory_budget_bytes`: how far this process may grow past its start-up size on CPU
         (None: executor/memory_limit.py's default share of the node's memory)."""
         from radixserve.workers.engine.engine import Engine  # heavy: torch + the model
+        from radixserve.workers.executor.cpu_runtime import freeze_startup_heap
         from radixserve.workers.executor.memory_limit import default_budget_bytes, limit_memory_growth
 
         self.config = config
@@ -82,7 +83,13 @@ class EngineReplica:
         self.engine = Engine(**dataclasses.asdict(config), rank_launcher=launcher)
         if self.engine.core.device.type == "cpu":
             limit_memory_growth(memory_budget_bytes or default_budget_bytes())
-        logger.info("engine replica %s ready: %s", self.replica_id, self.engine.served_model_name)
+        frozen = freeze_startup_heap()
+        logger.info(
+            "engine replica %s ready: %s (%d start-up objects kept out of the garbage collector)",
+            self.replica_id,
+            self.engine.served_model_name,
+            frozen,
+        )
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request's events: `Accepted` once the engine took it, then its chunks.

@@ -1,4 +1,4 @@
-"""Process-wide CPU runtime settings that the model's hot path depends on.
+"""Process-wide runtime settings that the model's hot path depends on.
 
 glibc serves every allocation above its mmap threshold (dynamic, starting at 128 KiB) with a fresh
 mmap and returns it with munmap on free. The engine allocates and frees megabyte-sized activations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import sys
 import threading
 from collections.abc import Callable
@@ -38,6 +39,18 @@ def tune_malloc() -> bool:
     ok_mmap = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
     ok_trim = mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
     return ok_mmap and ok_trim
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now (modules, the model, the tokenizer, Ray's and Serve's own
+    state) out of the garbage collector's reach; returns how many. For server processes, once
+    they are ready: a full collection walks every tracked object with the GIL held, and measured
+    in an engine replica under load one took 211 ms over ~395k objects, a stall of every step
+    and stream in the process; after the freeze it took 0.3 ms. What is frozen is never
+    collected, so only a process that owns its heap calls this (not a library's caller)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def on_short_lived_thread(fn: Callable[..., T], *args: Any, name: str = "radixserve-load") -> T:

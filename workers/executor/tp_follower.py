@@ -33,7 +33,7 @@ import torch.distributed as dist
 from radixserve.workers.distributed.device import comm_backend, resolve_device
 from radixserve.workers.distributed.group import CommGroup
 from radixserve.workers.distributed.parallel import Parallel, ParallelConfig
-from radixserve.workers.executor.cpu_runtime import tune_malloc
+from radixserve.workers.executor.cpu_runtime import freeze_startup_heap, tune_malloc
 from radixserve.workers.executor.tp_kv import FollowerTransfers, RankKVSpec
 from radixserve.workers.executor.tp_orders import LoRASlotOrder, Order
 from radixserve.workers.executor.tp_wire import broadcast_batch
@@ -104,6 +104,7 @@ def follow(rank: int, spec: FollowerSpec) -> None:
         except BaseException as exc:
             store.set(rank_key("failed", rank), f"{type(exc).__name__}: {exc}")
             raise
+        freeze_startup_heap()  # no full collection stalls this rank's steps (cpu_runtime.py)
         store.set(rank_key("ready", rank), "1")
         model = loaded.model
 
