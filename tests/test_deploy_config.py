@@ -75,7 +75,7 @@ def test_local_cluster_keeps_every_worker_ip():
     assert node_type["min_workers"] == node_type["max_workers"] == full["max_workers"] == n
     # The head's autoscaler sets the workers up: v1, since v2 never launches a local provider's.
     assert ray_start(full["head_start_ray_commands"]).startswith(
-        "RAY_enable_autoscaler_v2=0 ray start --head "
+        "RAY_enable_autoscaler_v2=0 RAY_worker_niceness=0 ray start --head "
     )
 
 
@@ -201,6 +201,8 @@ def test_cluster_runs_with_token_auth_and_private_ports(name):
     assert "--dashboard-host=127.0.0.1" in head_start and "--metrics-export-port=8080" in head_start
     worker_start = ray_start(config["worker_start_ray_commands"])
     assert "--metrics-export-port=8080" in worker_start
+    # Ray's workers (the engine replicas) at nice 0, not Ray's default 15 (cluster/cli.py)
+    assert all("RAY_worker_niceness=0 " in start for start in (head_start, worker_start))
 
 
 @pytest.mark.parametrize("wheel_dir", [None, "/srv/wheels dir"])
@@ -335,13 +337,16 @@ def test_radixserve_serve_starts_its_own_loopback_ray_or_joins_the_given_one(mon
     assert joined["address"] == "10.0.0.1:6379" and "_metrics_export_port" not in joined
 
     monkeypatch.delenv(cli.AUTH_MODE_ENV, raising=False)
+    monkeypatch.delenv(cli.WORKER_NICENESS_ENV, raising=False)
     monkeypatch.setenv(cli.SINGLE_MACHINE_ENV, "1")
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     cli._loopback_only()
     assert ray_constants.ENABLE_RAY_CLUSTER is False  # this process already imported Ray
     assert (os.environ[cli.SINGLE_MACHINE_ENV], os.environ[cli.AUTH_MODE_ENV]) == ("0", "token")
+    assert os.environ[cli.WORKER_NICENESS_ENV] == "0"  # the engine at the machine's priority
     monkeypatch.setenv(cli.AUTH_MODE_ENV, "disabled")  # the user's explicit choice stays
+    monkeypatch.setenv(cli.WORKER_NICENESS_ENV, "5")
     cli._loopback_only()
-    assert os.environ[cli.AUTH_MODE_ENV] == "disabled"
+    assert os.environ[cli.AUTH_MODE_ENV] == "disabled" and os.environ[cli.WORKER_NICENESS_ENV] == "5"
     with pytest.raises(SystemExit):
         parse_cli(["--ray-metrics-export-port", "0"])
