@@ -48,3 +48,35 @@ def hf_greedy(model_dir: str, prompts_ids: list[list[int]], max_new_tokens: int)
             )
             outs.append(gen[0, len(ids) :].tolist())
     return outs
+
+
+def tp_runs(path: str, tp_sizes=(1, 2), **kwargs) -> dict[int, list[dict]]:
+    """Each tp_size's engine over `path` (kwargs: the engine's settings): a few prompts with their
+    prompt logprobs and 6 greedy tokens each, the KV invariant checked after. For tests that a
+    rank's KV pool (its dtype, its scales) works as rank 0's does."""
+    from radixserve.workers import Engine
+
+    prompts = [list(range(100, 140)), [7, 300, 42] * 9, [1, 5, 9, 200, 31]]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "logprob_start_len": 0}
+    out = {}
+    for tp in tp_sizes:
+        engine = Engine(path, tp_size=tp, max_total_tokens=2048, chunked_prefill_size=16, **kwargs)
+        try:
+            out[tp] = engine.generate(input_ids=prompts, sampling_params=params)
+            assert_kv_invariant(engine)
+        finally:
+            engine.shutdown()
+    return out
+
+
+def mean_logprob_gap(a: list[dict], b: list[dict]) -> float:
+    """Mean |difference| of two runs' prompt logprobs, over every prompt token but the first."""
+    gaps = [
+        abs(x - y)
+        for ra, rb in zip(a, b)
+        for (x, _, _), (y, _, _) in zip(
+            ra["meta_info"]["input_token_logprobs"][1:], rb["meta_info"]["input_token_logprobs"][1:]
+        )
+    ]
+    assert gaps
+    return sum(gaps) / len(gaps)

@@ -18,7 +18,7 @@ from radixserve.workers.mem_cache.disk_tier import DiskTier
 from radixserve.workers.mem_cache.host_tier import HostTier
 from radixserve.workers.mem_cache.kv_pool import FP8, FP8_MAX, KVPool, fp8_rows, pool_dtype
 from radixserve.workers.models.attention import TorchReferenceBackend, TritonBackend
-from tests.engine_utils import assert_kv_invariant
+from tests.engine_utils import assert_kv_invariant, mean_logprob_gap, tp_runs
 from tests.model_driver import make_batch
 from tests.test_attention import CASES, _scatter_slots
 from tests.test_fp8 import KV_SCALES, fp8_checkpoint, tiny  # noqa: F401 (a fixture)
@@ -190,3 +190,15 @@ def test_a_checkpoints_kv_scales_by_layer(tiny, tmp_path):  # noqa: F811
         assert not any("k_scale" in n or "output_scale" in n for n in dense)
         (k0, k1), (v0, v1) = KV_SCALES
         assert reader.kv_scales == {(0, "k"): k0, (1, "k"): k1, (0, "v"): v0, (1, "v"): v1}
+
+
+def test_tp2_ranks_each_hold_an_fp8_cache_at_the_checkpoints_scales(tiny, tmp_path):  # noqa: F811
+    """Tensor parallel over an fp8 cache (every rank builds its pool from the same checkpoint, its
+    KV scales included, and attends over its own KV heads with the Triton kernels): it serves,
+    keeps the KV invariant, gives tp 1's greedy tokens and tracks its logprobs."""
+    qdir, _ = fp8_checkpoint(tiny, tmp_path, "fp8-tensor")
+    runs = tp_runs(
+        qdir, dtype="float32", attention_backend="triton", kv_cache_dtype="fp8_e4m3", num_threads=1
+    )
+    assert mean_logprob_gap(runs[1], runs[2]) < 0.01
+    assert [r["output_ids"] for r in runs[2]] == [r["output_ids"] for r in runs[1]]

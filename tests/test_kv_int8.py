@@ -16,7 +16,8 @@ from radixserve.workers.engine.config import EngineConfig
 from radixserve.workers.mem_cache.host_tier import HostTier
 from radixserve.workers.mem_cache.kv_pool import KVPool
 from radixserve.workers.models.attention import pool_values
-from tests.engine_utils import assert_kv_invariant
+from tests.engine_utils import assert_kv_invariant, mean_logprob_gap, tp_runs
+from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.kv_int8_available(64, 3), reason="the int8 KV kernels need AVX512-BF16 (and the extension)"
@@ -193,3 +194,12 @@ def test_pd_peers_name_the_int8_cache_in_their_handshake():
     check_peer(specs[torch.int8], specs[torch.int8], "prefill", "decode")
     with pytest.raises(HandshakeMismatch, match="dtype: prefill has 'int8', decode has 'bfloat16'"):
         check_peer(specs[torch.int8], specs[torch.bfloat16], "prefill", "decode")
+
+
+def test_tp2_ranks_each_hold_an_int8_cache(tmp_path):
+    """Tensor parallel over an int8 cache (the followers build their pools from rank 0's published
+    layout, dtype included): it serves, keeps the KV invariant, and tracks tp 1."""
+    path = make_tiny_checkpoint(tmp_path, "llama", hidden_size=256, intermediate_size=512)
+    runs = tp_runs(path, dtype="bfloat16", kv_cache_dtype="int8", num_threads=1)
+    assert mean_logprob_gap(runs[1], runs[2]) < 0.05
+    assert all(len(r["output_ids"]) == 6 for r in runs[2])

@@ -25,8 +25,11 @@ LONG = "You are a helpful assistant who answers briefly and precisely. " * 8 + "
 
 @pytest.fixture(scope="module")
 def engines():
-    on = Engine(dtype="float32", max_total_tokens=8192, chunked_prefill_size=64, enable_overlap=True)
-    off = Engine(dtype="float32", max_total_tokens=8192, chunked_prefill_size=64, enable_overlap=False)
+    # Every token its own chunk (stream_interval_ms 0): how many chunks a stream has then depends
+    # on the tokens alone, not on how long the steps took.
+    common = dict(dtype="float32", max_total_tokens=8192, chunked_prefill_size=64, stream_interval_ms=0)
+    on = Engine(enable_overlap=True, **common)
+    off = Engine(enable_overlap=False, **common)
     assert on.core.overlap and not off.core.overlap
     yield on, off
     on.shutdown()
