@@ -283,6 +283,10 @@ def test_cuda_fp8_kv_cache_tracks_the_bf16_cache():
     from radixserve.workers.mem_cache.kv_pool import FP8
 
     _needs_gpus(1)
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ValueError, match="compute capability 8.9"):
+            Engine(device="cuda", kv_cache_dtype="fp8_e4m3", max_total_tokens=1000)
+        pytest.skip(f"no e4m3 in Triton: compute capability {torch.cuda.get_device_capability()}")
     text = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Rome is"
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "logprob_start_len": 1}
     runs = {}

@@ -153,6 +153,13 @@ FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.05, 0.02  # an fp8 pool's layer scales: K / 0.05 and V / 0.02 are stored
 
 
+def _needs_fp8(device: str) -> None:
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(
+            f"Triton's e4m3 needs compute capability 8.9; this GPU: {torch.cuda.get_device_capability()}"
+        )
+
+
 def _fp8(k_buf, v_buf):
     """An fp8 pool of the same K/V (scaled up to span e4m3's range), and the values it holds."""
     k8, v8 = (k_buf.float() * 4 / K_SCALE).to(FP8), (v_buf.float() * 2 / V_SCALE).to(FP8)
@@ -164,6 +171,7 @@ def _fp8(k_buf, v_buf):
 def test_decode_over_an_fp8_pool_equals_decode_over_the_values_it_holds(device, seq_lens, dtype):
     """kv_cache_dtype fp8_e4m3: e4m3 tiles widened to q's dtype as they load, the scales applied
     to the scores and the output."""
+    _needs_fp8(device)
     q, k_buf, v_buf, kv_indices, lens = _decode_inputs(seq_lens, 6, 2, 64, dtype, seed=3)
     (k8, v8), (kd, vd) = _fp8(k_buf, v_buf)
     ref = decode_attention_torch(q.float(), kd, vd, kv_indices, lens)
@@ -179,6 +187,7 @@ def test_decode_over_an_fp8_pool_equals_decode_over_the_values_it_holds(device, 
 @pytest.mark.parametrize("device,case", _on_devices(EXTEND_CASES, LONG_EXTEND_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_over_an_fp8_pool_equals_extend_over_the_values_it_holds(device, case, dtype):
+    _needs_fp8(device)
     prefix_lens, extend_lens = case
     q, k_buf, v_buf, batch = _extend_inputs(prefix_lens, extend_lens, 6, 2, 64, dtype, seed=4)
     (k8, v8), (kd, vd) = _fp8(k_buf, v_buf)

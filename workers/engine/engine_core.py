@@ -136,6 +136,7 @@ class EngineCore:
                 str(loaded.model.backend.name),
                 mc.head_dim,
                 mc.num_heads // mc.num_kv_heads,
+                self.device,
             )
             self.pool = loaded.kv_pool(
                 self._pool_tokens(loaded, kv_dtype), kv_dtype, self.device, config.page_size

@@ -166,17 +166,28 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
 
 
 def pool_dtype(
-    kv_cache_dtype: str, model_dtype: torch.dtype, backend: str, head_dim: int, group: int
+    kv_cache_dtype: str,
+    model_dtype: torch.dtype,
+    backend: str,
+    head_dim: int,
+    group: int,
+    device: torch.device | None = None,
 ) -> torch.dtype:
     """The pool's dtype for an engine's kv_cache_dtype: "auto" is the model's; "int8" where its
     kernels run (a bf16 model on the cpu attention backend, csrc/kv_int8.h); "fp8_e4m3" on the
-    triton backend (and torch_ref, the reference); else ValueError."""
+    triton backend (and torch_ref, the reference), on a GPU of compute capability 8.9 or later
+    (Triton's e4m3 type); else ValueError."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype == "fp8_e4m3":
         if backend not in ("triton", "torch_ref"):
             raise ValueError(
                 f"kv_cache_dtype fp8_e4m3 runs on the triton attention backend (the default on a GPU), not {backend}"
+            )
+        if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(
+                "kv_cache_dtype fp8_e4m3 needs a GPU of compute capability 8.9 or later (Ada, Hopper); "
+                f"this one is {torch.cuda.get_device_capability(device)}"
             )
         return FP8
     if model_dtype != torch.bfloat16 or backend != "cpu" or not cpu_ops.kv_int8_available(head_dim, group):
