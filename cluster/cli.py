@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.cluster.config import ServerArgs, parse_cli
-from radixserve.router.frontend.proxy import proxy_environment
+from radixserve.router.frontend.proxy import proxy_environment, transport_environment
 
 logger = logging.getLogger("radixserve")
 
@@ -101,6 +101,7 @@ def serve_forever(args: ServerArgs) -> int:
     started_ray = serving = False
     # Serve's proxy reads its limits from the environment Ray starts its workers with.
     os.environ.update(proxy_environment(args.http))
+    os.environ.update(transport_environment(args.http))
     try:
         ray.init(**ray_init_kwargs(args, address))
         # Ray's core worker installs its own SIGTERM handler (it aborts); ours must win.

@@ -27,12 +27,13 @@ def running_app(args: dict[str, Any], num_cpus: int = 2) -> Iterator[str]:
 
     from radixserve.cluster.app import build_app
     from radixserve.cluster.config import ServerArgs
-    from radixserve.router.frontend.proxy import proxy_environment
+    from radixserve.router.frontend.proxy import proxy_environment, transport_environment
 
     port = free_port()
     http = ServerArgs.from_dict({**args, "host": "127.0.0.1", "port": port}).http
     saved = dict(os.environ)
     os.environ.update(proxy_environment(http))
+    os.environ.update(transport_environment(http))  # as `radixserve serve` runs Serve
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options=http.serve_http_options())

@@ -17,6 +17,8 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from radixserve.cluster.config import ServerArgs
+from radixserve.router.frontend.config import HTTPConfig
+from radixserve.router.frontend.proxy import transport_environment
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -74,9 +76,8 @@ def test_local_cluster_keeps_every_worker_ip():
     n = len(full["provider"]["worker_ips"])
     assert node_type["min_workers"] == node_type["max_workers"] == full["max_workers"] == n
     # The head's autoscaler sets the workers up: v1, since v2 never launches a local provider's.
-    assert ray_start(full["head_start_ray_commands"]).startswith(
-        "RAY_enable_autoscaler_v2=0 RAY_worker_niceness=0 ray start --head "
-    )
+    head_start = ray_start(full["head_start_ray_commands"])
+    assert head_start.startswith("RAY_enable_autoscaler_v2=0 ") and " ray start --head " in head_start
 
 
 def test_aws_cluster_has_a_cpu_head_and_gpu_pools_the_autoscaler_can_grow():
@@ -203,6 +204,9 @@ def test_cluster_runs_with_token_auth_and_private_ports(name):
     assert "--metrics-export-port=8080" in worker_start
     # Ray's workers (the engine replicas) at nice 0, not Ray's default 15 (cluster/cli.py)
     assert all("RAY_worker_niceness=0 " in start for start in (head_start, worker_start))
+    # Serve's transport as `radixserve serve` sets it, for the default HTTP limits (proxy.py)
+    for var, value in transport_environment(HTTPConfig(), {}).items():
+        assert all(f" {var}={value} " in f" {start}" for start in (head_start, worker_start)), var
 
 
 @pytest.mark.parametrize("wheel_dir", [None, "/srv/wheels dir"])

@@ -226,6 +226,19 @@ def test_the_proxy_hook_installs_the_configured_limits(monkeypatch):
     assert cfg.http_protocol_class is LimitedHttpToolsProtocol
 
 
+def test_serve_transport_settings_leave_an_operators_own_alone():
+    env = proxy.transport_environment(HTTPConfig(), {})
+    assert env["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
+    assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    # a body up to the proxy's limit fits one gRPC message to the ingress, never under Ray's 4 MiB
+    big = proxy.transport_environment(HTTPConfig(max_request_bytes=1 << 30), {})
+    assert int(big[proxy.GRPC_MESSAGE_ENV]) >= (1 << 30) + proxy.GRPC_MESSAGE_MARGIN
+    small = proxy.transport_environment(HTTPConfig(max_request_bytes=1000), {})
+    assert int(small[proxy.GRPC_MESSAGE_ENV]) == proxy.GRPC_MESSAGE_MIN > 4 << 20
+    mine = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", proxy.GRPC_MESSAGE_ENV: "123"}
+    assert set(proxy.transport_environment(HTTPConfig(), mine)) == {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"}
+
+
 async def test_a_client_still_sending_a_big_body_reads_the_413(server):
     port, app = server
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
