@@ -144,6 +144,26 @@ def test_chat_logprobs_shape(client, model):
         assert c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob
 
 
+def test_a_non_streamed_response_over_4_mib_arrives_whole(http, model):
+    """Serve's processes talk gRPC (proxy.TRANSPORT_ENV), whose default message limit is 4 MiB: a
+    whole response of n choices with their top logprobs passes it and must still arrive."""
+    body = {
+        "model": model,
+        "messages": user("Tell me a story."),
+        "max_tokens": 360,
+        "n": 8,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and len(r.content) > 4 << 20, (r.status_code, len(r.content))
+    choices = r.json()["choices"]
+    assert len(choices) == 8 and all(len(c["logprobs"]["content"]) == 360 for c in choices)
+    wait_idle(http)
+
+
 def test_shared_system_prompt_is_cached(client, model, http):
     system = f"[{uuid.uuid4().hex}] You are a meticulous librarian. " + " ".join(
         f"Rule {i}: always cite the shelf number and the year of print." for i in range(40)
