@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -319,6 +320,15 @@ def test_alert_rule_tests_fail_when_a_rule_changes(promtool, tmp_path):
         [promtool, "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True, text=True
     )
     assert out.returncode != 0 and "RadixServeKVPoolExhausted" in out.stdout + out.stderr
+
+
+def test_the_cli_module_leaves_ray_unimported():
+    """`radixserve serve` sets Ray's environment (auth mode, node IP, Serve's transport) before Ray
+    is imported: Ray reads it at import, and a driver that read "disabled" cannot reach its own
+    token-authenticated GCS."""
+    code = "import sys, radixserve.cluster.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_radixserve_serve_starts_its_own_loopback_ray_or_joins_the_given_one(monkeypatch):

@@ -144,6 +144,12 @@ def test_chat_logprobs_shape(client, model):
         assert c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob
 
 
+def test_the_ingress_reaches_the_replicas_over_grpc(http):
+    """proxy.TRANSPORT_ENV, as `radixserve serve` sets it, is what the ingress's handles use, even
+    though the app was built in a process that imported Ray before it was set (this one)."""
+    assert http.get("/get_server_info").json()["transport"] == "grpc"
+
+
 def test_a_non_streamed_response_over_4_mib_arrives_whole(http, model):
     """Serve's processes talk gRPC (proxy.TRANSPORT_ENV), whose default message limit is 4 MiB: a
     whole response of n choices with their top logprobs passes it and must still arrive."""

@@ -304,6 +304,7 @@ def build_api(ing: Ingress) -> FastAPI:
             "context_length": ing.card.context_length,
             "replicas": replicas,
             "router": ing.router_snapshot(),
+            "transport": ing.transport,
         }
 
     @app.post("/flush_cache")

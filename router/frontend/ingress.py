@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from radixserve.router.frontend.config import IngressConfig
 from radixserve.router.frontend.metrics import Metrics, RequestTimer
 from radixserve.router.frontend.pd_stream import PDStream
+from radixserve.router.frontend.proxy import on_process_transport
 from radixserve.router.frontend.replica_call import ReplicaCall
 from radixserve.router.frontend.tokenizer import Tokenizer
 from radixserve.router.frontend.tokenizer_pool import TokenizerPool
@@ -67,6 +68,10 @@ class Ingress:
         """`config.policy` is the routing policy that cluster/app.py also gives the engine
         deployment's request router. With `decode` (PD mode), `replicas` is the prefill pool
         and `decode` the decode pool (routed by `config.decode_policy`)."""
+        replicas = on_process_transport(replicas)
+        decode = None if decode is None else on_process_transport(decode)
+        # How this ingress reaches the engine replicas (/get_server_info): "grpc" or "ray" (actor calls).
+        self.transport = "ray" if getattr(replicas.handle_options, "_by_reference", True) else "grpc"
         self.replicas = replicas
         self.decode = decode
         self.config = config

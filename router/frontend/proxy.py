@@ -27,13 +27,17 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from radixserve.router.frontend import errors
 from radixserve.router.frontend.config import HTTPConfig
+
+if TYPE_CHECKING:  # Ray is not imported here: `radixserve serve` sets its environment first
+    from ray.serve.handle import DeploymentHandle
 
 logger = logging.getLogger("radixserve.proxy")
 
@@ -69,8 +73,9 @@ class ProxyLimits:
 # 4.22-4.49 s with Ray's defaults, 3.69-3.92 s with these; one stream of 762 chunks cost the
 # ingress 1.38 and the proxy 0.77 CPU-s with the defaults, 0.61 and 0.37 with these. Ray reads
 # them when its processes start; an operator's own values win.
+GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
 TRANSPORT_ENV = {
-    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    GRPC_ENV: "1",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
 # The largest gRPC message between Serve's processes, either way (Ray's default: 4 MiB). A request
@@ -81,6 +86,13 @@ GRPC_MESSAGE_MIN = 256 << 20
 GRPC_MESSAGE_MARGIN = 1024 * 1024  # the request's headers and Serve's own metadata
 
 
+def on_process_transport(handle: DeploymentHandle) -> DeploymentHandle:
+    """`handle` on the transport that this process's environment names (TRANSPORT_ENV). A handle
+    made in another process (the driver that built the app, whose Ray may have been imported before
+    TRANSPORT_ENV was set) keeps that process's choice otherwise."""
+    return handle.options(_by_reference=os.environ.get(GRPC_ENV) != "1")
+
+
 def proxy_environment(http: HTTPConfig) -> dict[str, str]:
     """Environment variables that make Serve's proxy (started after them) enforce `http`'s limits."""
     return {
@@ -89,14 +101,14 @@ def proxy_environment(http: HTTPConfig) -> dict[str, str]:
     }
 
 
-def transport_environment(http: HTTPConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
+def transport_environment(http: HTTPConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Serve's transport settings (TRANSPORT_ENV, and a gRPC message size that carries a body of
     `http.max_request_bytes` and a large response) that `environ` (default: this process's) does
     not set already."""
-    environ = os.environ if environ is None else environ
+    given = os.environ if environ is None else environ
     message = max(GRPC_MESSAGE_MIN, http.max_request_bytes + GRPC_MESSAGE_MARGIN)
     wanted = {**TRANSPORT_ENV, GRPC_MESSAGE_ENV: str(message)}
-    return {k: v for k, v in wanted.items() if k not in environ}
+    return {k: v for k, v in wanted.items() if k not in given}
 
 
 def install() -> list[Any]:
