@@ -636,6 +636,8 @@ nodes = {d: sorted(set(r.values())) for d, r in placement.items()}
 assert nodes == {"Ingress": [head], "PrefillReplica": [worker], "DecodeReplica": [head]}, nodes
 stats = {r["role"]: r for r in info["replicas"]}
 assert sorted(stats) == ["decode", "prefill"], info["replicas"]
+# the ingress reaches the replicas of both hosts over gRPC (`ray start`'s transport settings)
+assert info["transport"] == "grpc", info["transport"]
 p, d = stats["prefill"], stats["decode"]
 assert placement["PrefillReplica"].get(p["replica_id"]) == worker, (p["replica_id"], placement)
 assert placement["DecodeReplica"].get(d["replica_id"]) == head, (d["replica_id"], placement)
