@@ -20,9 +20,11 @@ in ~/.ray/auth_token): that server, like every Ray server, then refuses callers 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -87,9 +89,29 @@ def _loopback_only() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be ours, or None. Serve's proxy binds its port with SO_REUSEPORT,
+    which lets a second server of the same user bind it too and take half the connections without
+    an error; so a Ray started here checks first that nothing listens there (SO_REUSEADDR only:
+    connections in TIME_WAIT from a server just stopped do not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"{host}:{port} is already in use by another server"
+            return f"cannot listen on {host}:{port}: {e.strerror}"
+    return None
+
+
 def serve_forever(args: ServerArgs) -> int:
     address = args.deployment.ray_address or os.environ.get("RAY_ADDRESS")
     if address is None:
+        if (taken := port_taken(args.http.host, args.http.port)) is not None:
+            print(f"radixserve serve: error: {taken} (--port, --host)", file=sys.stderr, flush=True)
+            return 2
         _loopback_only()
     import ray
     from ray import serve

@@ -58,6 +58,18 @@ def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
     raise AssertionError("server did not start:\n" + log.read_text()[-3000:])
 
 
+def listeners(port: int) -> list[tuple[int | None, list[str]]]:
+    """Every process listening on `port` (pid, command line): for a failure's message."""
+    found = []
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            try:
+                found.append((c.pid, psutil.Process(c.pid).cmdline()[:3] if c.pid else []))
+            except psutil.Error:
+                found.append((c.pid, []))
+    return found
+
+
 def family(proc: subprocess.Popen) -> list[int]:
     """The command and every process it started (Ray's included), as of now."""
     return [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
@@ -205,7 +217,11 @@ def test_cli_serves_queues_503_and_drains_on_sigterm(tmp_path):
     try:
         # The CLI starts Ray with the proxy's limits in its environment.
         big = httpx.get(url + "/health", headers={"x-big": "a" * 10_000}, timeout=30)
-        assert big.status_code == 431 and big.json()["error"]["code"] == "request_header_fields_too_large"
+        assert big.status_code == 431 and big.json()["error"]["code"] == "request_header_fields_too_large", (
+            big.status_code,
+            listeners(port),
+            [p.pid for p in psutil.Process(proc.pid).children(recursive=True)],
+        )
         asyncio.run(queue_limit_scenario(url))
         with httpx.Client(base_url=url, timeout=60):
             reports = bench_serving.main(
@@ -297,3 +313,32 @@ def test_cli_device_cuda_without_gpus_is_a_clear_error():
         "start GPU nodes, or run with --device cpu" in proc.stderr
     )
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_refuses_a_port_that_another_server_listens_on():
+    """Serve's proxy binds with SO_REUSEPORT, which would let it share a port with another server
+    of the same user, each taking part of the connections; the CLI refuses the port instead,
+    before it starts Ray."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as another Serve proxy does
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "radixserve.cluster.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=120,
+        )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        f"radixserve serve: error: 127.0.0.1:{port} is already in use by another server (--port, --host)"
+        in proc.stderr
+    )
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
