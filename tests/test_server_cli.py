@@ -58,6 +58,19 @@ def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
     raise AssertionError("server did not start:\n" + log.read_text()[-3000:])
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`radixserve serve ARGS` to its end (for arguments it refuses), output captured."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        [sys.executable, "-m", "radixserve.cluster.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=180,
+    )
+
+
 def listeners(port: int) -> list[tuple[int | None, list[str]]]:
     """Every process listening on `port` (pid, command line): for a failure's message."""
     found = []
@@ -289,24 +302,7 @@ def test_serve_run_yaml_with_two_replicas_and_sigint(tmp_path):
 def test_cli_device_cuda_without_gpus_is_a_clear_error():
     """No GPU in the cluster it starts: one line names the problem, the exit code is 2, and no
     process is left behind (it never deploys a replica that Ray could not place)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "radixserve.cluster.cli",
-            "serve",
-            "--device",
-            "cuda",
-            "--port",
-            str(free_port()),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=180,
-    )
+    proc = run_cli("--device", "cuda", "--port", str(free_port()))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert (
         "radixserve serve: error: --device cuda, but the Ray cluster has no GPU (ray status lists none): "
@@ -321,21 +317,13 @@ def test_cli_refuses_a_port_that_another_server_listens_on():
     before it starts Ray."""
     import socket
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with socket.socket() as other:
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as another Serve proxy does
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        proc = subprocess.run(
-            [sys.executable, "-m", "radixserve.cluster.cli", "serve", "--port", str(port)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=REPO,
-            timeout=120,
-        )
+        proc = run_cli("--port", str(port))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert (
         f"radixserve serve: error: 127.0.0.1:{port} is already in use by another server (--port, --host)"
