@@ -91,7 +91,7 @@ def _loopback_only() -> None:
 
 def port_taken(host: str, port: int) -> str | None:
     """Why `host:port` cannot be ours, or None. Serve's proxy binds its port with SO_REUSEPORT,
-    which lets a second server of the same user bind it too and take half the connections without
+    which lets a second server of the same user bind it too and take part of its connections without
     an error; so a Ray started here checks first that nothing listens there (SO_REUSEADDR only:
     connections in TIME_WAIT from a server just stopped do not count)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
