@@ -264,6 +264,22 @@ def test_packed_linear_matches_float32_math_rounded_once(m, k, n, with_bias):
 
 
 @needs_gemm
+@pytest.mark.parametrize("m,n", [(75, 80), (71, 50), (300, 48), (40, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_gives_a_prefill_row_the_bits_of_its_row_tile_alone(m, n, with_bias):
+    """Prefill-sized inputs run two strips at a time, decode-sized ones one: each 16-row tile (the
+    last one shorter) must come out as it does when it is the whole input."""
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, 576, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, 576, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    wp = cpu_ops.pack_linear_weight(w)
+    out = native.packed_linear(x, wp, n, bias)
+    for r in range(0, m, 16):
+        assert torch.equal(out[r : r + 16], native.packed_linear(x[r : r + 16], wp, n, bias)), r
+
+
+@needs_gemm
 def test_packed_linear_reads_strided_rows_and_rejects_a_wrong_k():
     gen = torch.Generator().manual_seed(5)
     wide = torch.randn(4, 200, generator=gen).to(torch.bfloat16)
