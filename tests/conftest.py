@@ -6,6 +6,9 @@ SO_REUSEPORT, so a later module's server on a port that the kernel handed out ag
 it with the stale proxy, and some of its requests would reach the old application. Each module's
 new GCS and raylet processes must be gone shortly after it ends; any left are killed (with their
 workers), so that they cannot reach into later modules, and named in a warning.
+
+It also imports radixserve's kernels before any test module imports torch, so that the engines
+under test run with the OpenMP spin-wait setting that the server has (radixserve/kernels).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+
+import radixserve.kernels  # noqa: F401  (before torch)
 
 RAY_SERVERS = {"gcs_server", "raylet"}
 GONE_WITHIN_S = 30.0

@@ -144,3 +144,24 @@ def test_openmp_spin_wait_is_short_unless_the_user_set_it():
         check=True,
     )
     assert out.stdout.strip() == "7"
+
+
+@pytest.mark.parametrize(
+    "code,given,unset",
+    [
+        ("import torch, radixserve.kernels as k", {}, True),  # libgomp read its default first
+        ("import radixserve.kernels as k, torch", {}, False),
+        ("import torch, radixserve.kernels as k", {"GOMP_SPINCOUNT": "7"}, False),  # the user's own
+    ],
+)
+def test_a_spin_count_set_after_openmp_loaded_is_reported(code, given, unset):
+    """OPENMP_SPIN_UNSET (the CPU engine's warning) says when the short spin came too late."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run(
+        [sys.executable, "-c", code + "; print(k.OPENMP_SPIN_UNSET)"],
+        env={**env, **given},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == str(unset)
