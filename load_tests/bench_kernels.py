@@ -129,17 +129,22 @@ def bench_decode_attention(batch: int, length: int, shared: int) -> dict[str, An
 
 
 def bench_decode_attention_step(
-    batch: int, length: int, shared: int, layers: int = LAYERS, int8: bool = False
+    batch: int, length: int, shared: int, layers: int = LAYERS, int8: bool = False, groups: int = 1
 ) -> dict[str, Any]:
     """A whole decode step's attention: `layers` layers, each with a K/V pool of its own (as the
     model's), so that the step reads its K/V from memory rather than from a cache that one
-    layer's pool fits; all `batch` sequences share their first `shared` slots. Prints the K/V
+    layer's pool fits; the sequences share their first `shared` slots in `groups` groups
+    (sequence b in group b % groups, as a shared-prompt load interleaves them). Prints the K/V
     bytes the step reads once per sequence and the rate that makes. `int8`: the int8 pool
     (kv_cache_dtype int8, csrc/kv_int8.h), 68 bytes a row against bf16's 128."""
     gen = torch.Generator().manual_seed(2)
     own = length - shared
-    slots = shared + batch * own
-    rows = [list(range(shared)) + list(range(shared + b * own, shared + (b + 1) * own)) for b in range(batch)]
+    slots = groups * shared + batch * own
+    rows = [
+        list(range((b % groups) * shared, (b % groups + 1) * shared))
+        + list(range(groups * shared + b * own, groups * shared + (b + 1) * own))
+        for b in range(batch)
+    ]
     kv, lens = torch.tensor(rows), torch.full((batch,), length)
 
     def pool() -> torch.Tensor:
@@ -159,7 +164,8 @@ def bench_decode_attention_step(
     read = batch * length * 3 * k_bufs[0][0, 0].nbytes * 2 * layers  # K and V rows per sequence
     label = (
         f"B={batch} L={length}"
-        + (f" (all share {shared})" if shared else "")
+        + (f" (all share {shared})" if shared and groups == 1 else "")
+        + (f" ({groups} groups share {shared})" if shared and groups > 1 else "")
         + (", int8 pool" if int8 else "")
     )
     print(
@@ -245,6 +251,7 @@ def main(argv=None) -> int:
             # the serving benchmarks' shared-prompt workload: 8 running, ~767 tokens each
             "step_unrelated": bench_decode_attention_step(8, 767, 0),
             "step_shared_prefix": bench_decode_attention_step(8, 767, 700),
+            "step_4_shared_prefixes": bench_decode_attention_step(8, 767, 700, groups=4),
             # kv_cache_dtype int8 at the same size, and both at a longer context
             "step_unrelated_int8": bench_decode_attention_step(8, 767, 0, int8=True),
             "step_4k": bench_decode_attention_step(8, 4000, 0),

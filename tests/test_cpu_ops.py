@@ -143,6 +143,44 @@ def test_decode_attention(dtype, head_dim, heads, kv_heads, impl):
     )
 
 
+@pytest.mark.skipif(native is None, reason="C++ extension not built")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,groups", [(8, 4), (13, 3), (40, 2), (3, 1)])
+def test_decode_attention_runs_each_sequence_once_when_prefixes_are_shared(dtype, batch, groups):
+    """Sequences on one cached prefix run one after another (csrc/attention.h `decode_units`): each
+    sequence's output is the bits it gets alone, and the reference within tolerance."""
+    gen = torch.Generator().manual_seed(batch)
+    shared, own = 50, 30
+    k_buf = torch.randn(groups * shared + batch * own + 1, 3, 64, generator=gen).to(dtype)
+    v_buf = torch.randn(k_buf.shape, generator=gen).to(dtype)
+    rows = [
+        list(range(g * shared, (g + 1) * shared))
+        + list(range(groups * shared + b * own, groups * shared + (b + 1) * own))
+        for b in range(batch)
+        for g in [b % groups]
+    ]
+    kv_indices = torch.tensor(rows)
+    seq_lens = torch.randint(shared + 1, shared + own + 1, (batch,), generator=gen)
+    seq_lens[0] = 0 if batch > 3 else seq_lens[0]  # a padded row: no keys
+    q = torch.randn(batch, 12, 64, generator=gen).to(dtype)[:, :9]
+    scale = 1 / math.sqrt(64)
+    ours = native.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale)
+    for b in range(batch):
+        if seq_lens[b]:
+            alone = native.decode_attention(
+                q[b : b + 1], k_buf, v_buf, kv_indices[b : b + 1], seq_lens[b : b + 1], scale
+            )
+            assert torch.equal(ours[b], alone[0]), b
+    live = seq_lens > 0
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(
+        ours[live].float(),
+        _reference_decode(q[live], k_buf, v_buf, kv_indices[live], seq_lens[live]),
+        atol=tol,
+        rtol=tol,
+    )
+
+
 def _reference_extend(q, k_buf, v_buf, kv_indices, seq_lens, cu):
     """Causal attention of each sequence's new tokens over its slots, float32."""
     group = q.shape[1] // k_buf.shape[1]

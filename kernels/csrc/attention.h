@@ -6,6 +6,7 @@
 //   extend_attention  causal prefill for a whole batch, flash-style blocks (see below).
 //   extend_attention_bf16  the same with bf16 products (extend_avx512.h), where AVX512-BF16 is.
 
+#include <algorithm>
 #include <array>
 
 #include "common.h"
@@ -70,6 +71,32 @@ void decode_item(const typename E::T* __restrict__ q, int64_t q_stride_h, const 
   }
 }
 
+// How a decode step's (sequence, kv head) items are grouped into the parallel loop's units: head by
+// head, and within a head runs of sequences on one cached prefix (the same first KV slot; sorted
+// by it), each run one unit, so that one core reads that prefix's K/V rows of the head from memory
+// and its other sequences find them in the core's cache. A run is cut at `cap` sequences so that
+// a large group still spreads over the cores. The grouping changes no item's result.
+struct DecodeUnits {
+  std::vector<int64_t> order;  // the sequences, by first slot
+  std::vector<int64_t> runs;   // run r is order[runs[r], runs[r + 1])
+};
+
+inline DecodeUnits decode_units(const int64_t* kv_indices, int64_t width, const int64_t* seq_lens, int64_t batch,
+                                int64_t kv_heads) {
+  DecodeUnits u;
+  u.order.resize(batch);
+  auto first = [&](int64_t b) { return seq_lens[b] > 0 ? kv_indices[b * width] : -1 - b; };
+  for (int64_t b = 0; b < batch; ++b) u.order[b] = b;
+  std::stable_sort(u.order.begin(), u.order.end(), [&](int64_t a, int64_t b) { return first(a) < first(b); });
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t cap = std::max<int64_t>(2, batch * kv_heads / (4 * threads));
+  u.runs.push_back(0);
+  for (int64_t i = 1; i < batch; ++i)
+    if (first(u.order[i]) != first(u.order[i - 1]) || i - u.runs.back() >= cap) u.runs.push_back(i);
+  u.runs.push_back(batch);
+  return u;
+}
+
 template <typename E>
 void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q_stride_h, const typename E::T* k_buf,
                            const typename E::T* v_buf, const int64_t* kv_indices, int64_t width,
@@ -77,25 +104,34 @@ void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
                            int64_t kv_heads, int64_t dim, float scale) {
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * dim;  // elements per slot in the K/V buffers
+  const DecodeUnits units = decode_units(kv_indices, width, seq_lens, batch, kv_heads);
+  const int64_t* ord = units.order.data();
+  const int64_t* runs = units.runs.data();
+  const int64_t nruns = static_cast<int64_t>(units.runs.size()) - 1;
+  // Unit i: head i / nruns, run i % nruns.
+  auto for_items = [=](int64_t begin, int64_t end, auto&& item) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t kh = i / nruns, r = i % nruns;
+      for (int64_t j = runs[r]; j < runs[r + 1]; ++j) item(ord[j], kh);
+    }
+  };
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<E, BF16>) {
     if (const DecodeItemFn item_fn = decode_item_avx512_for(dim, group)) {
-      parallel_for(0, batch * kv_heads, 1, [=](int64_t begin, int64_t end) {
+      parallel_for(0, nruns * kv_heads, 1, [=](int64_t begin, int64_t end) {
         std::vector<float> scores;
-        for (int64_t item = begin; item < end; ++item) {
-          const int64_t b = item / kv_heads, kh = item % kv_heads;
+        for_items(begin, end, [&](int64_t b, int64_t kh) {
           item_fn(q + b * q_stride_t + kh * group * q_stride_h, q_stride_h, k_buf + kh * dim, v_buf + kh * dim,
                   kv_indices + b * width, seq_lens[b], row, scale, out + (b * heads + kh * group) * dim, scores);
-        }
+        });
       });
       return;
     }
   }
 #endif
-  parallel_for(0, batch * kv_heads, 1, [=](int64_t begin, int64_t end) {
+  parallel_for(0, nruns * kv_heads, 1, [=](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, kh = item % kv_heads;
+    for_items(begin, end, [&](int64_t b, int64_t kh) {
       const auto* qb = q + b * q_stride_t + kh * group * q_stride_h;
       auto* ob = out + (b * heads + kh * group) * dim;
       const int64_t* slots = kv_indices + b * width;
@@ -108,7 +144,7 @@ void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
       } else {
         decode_item<E, 0>(qb, q_stride_h, kb, vb, slots, seq_lens[b], row, group, dim, scale, ob, qf, acc, scores);
       }
-    }
+    });
   });
 }
 
