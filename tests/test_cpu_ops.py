@@ -147,8 +147,9 @@ def test_decode_attention(dtype, head_dim, heads, kv_heads, impl):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch,groups", [(8, 4), (13, 3), (40, 2), (3, 1)])
 def test_decode_attention_runs_each_sequence_once_when_prefixes_are_shared(dtype, batch, groups):
-    """Sequences on one cached prefix run one after another (csrc/attention.h `decode_units`): each
-    sequence's output is the bits it gets alone, and the reference within tolerance."""
+    """Sequences on one cached prefix run one after another, two at a time where they share enough
+    keys (csrc/attention.h `decode_units`, decode_avx512.h `decode_pair_avx512`): each sequence's
+    output is the bits it gets alone, and the reference within tolerance."""
     gen = torch.Generator().manual_seed(batch)
     shared, own = 50, 30
     k_buf = torch.randn(groups * shared + batch * own + 1, 3, 64, generator=gen).to(dtype)
@@ -161,7 +162,10 @@ def test_decode_attention_runs_each_sequence_once_when_prefixes_are_shared(dtype
     ]
     kv_indices = torch.tensor(rows)
     seq_lens = torch.randint(shared + 1, shared + own + 1, (batch,), generator=gen)
-    seq_lens[0] = 0 if batch > 3 else seq_lens[0]  # a padded row: no keys
+    if batch > 3:
+        seq_lens[0] = 0  # a padded row: no keys
+        seq_lens[1] = shared  # all of it the group's prefix
+        seq_lens[1 + groups] = shared - 7  # a part of it (the same group as the row before)
     q = torch.randn(batch, 12, 64, generator=gen).to(dtype)[:, :9]
     scale = 1 / math.sqrt(64)
     ours = native.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale)

@@ -79,6 +79,9 @@ void decode_item(const typename E::T* __restrict__ q, int64_t q_stride_h, const 
 struct DecodeUnits {
   std::vector<int64_t> order;  // the sequences, by first slot
   std::vector<int64_t> runs;   // run r is order[runs[r], runs[r + 1])
+  // shared[j], for j an even place in its run with a next one: how many first slots order[j] and
+  // order[j + 1] have in common (the pair kernel's prefix); 0 elsewhere.
+  std::vector<int64_t> shared;
 };
 
 inline DecodeUnits decode_units(const int64_t* kv_indices, int64_t width, const int64_t* seq_lens, int64_t batch,
@@ -94,8 +97,21 @@ inline DecodeUnits decode_units(const int64_t* kv_indices, int64_t width, const 
   for (int64_t i = 1; i < batch; ++i)
     if (first(u.order[i]) != first(u.order[i - 1]) || i - u.runs.back() >= cap) u.runs.push_back(i);
   u.runs.push_back(batch);
+  u.shared.assign(batch, 0);
+  for (size_t r = 0; r + 1 < u.runs.size(); ++r)
+    for (int64_t j = u.runs[r]; j + 1 < u.runs[r + 1]; j += 2) {
+      const int64_t a = u.order[j], b = u.order[j + 1], n = std::min(seq_lens[a], seq_lens[b]);
+      const int64_t* ra = kv_indices + a * width;
+      const int64_t* rb = kv_indices + b * width;
+      int64_t k = 0;
+      while (k < n && ra[k] == rb[k]) ++k;
+      u.shared[j] = k;
+    }
   return u;
 }
+
+// Below this many common first slots two sequences of a run go one at a time.
+constexpr int64_t kPairMinShared = 16;
 
 template <typename E>
 void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q_stride_h, const typename E::T* k_buf,
@@ -118,12 +134,32 @@ void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<E, BF16>) {
     if (const DecodeItemFn item_fn = decode_item_avx512_for(dim, group)) {
+      const DecodePairFn pair_fn = decode_pair_avx512_for(dim, group);
+      const int64_t* shared = units.shared.data();
       parallel_for(0, nruns * kv_heads, 1, [=](int64_t begin, int64_t end) {
         std::vector<float> scores;
-        for_items(begin, end, [&](int64_t b, int64_t kh) {
-          item_fn(q + b * q_stride_t + kh * group * q_stride_h, q_stride_h, k_buf + kh * dim, v_buf + kh * dim,
-                  kv_indices + b * width, seq_lens[b], row, scale, out + (b * heads + kh * group) * dim, scores);
-        });
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t kh = i / nruns, r = i % nruns;
+          const uint16_t* kb = k_buf + kh * dim;
+          const uint16_t* vb = v_buf + kh * dim;
+          auto q_of = [&](int64_t b) { return q + b * q_stride_t + kh * group * q_stride_h; };
+          auto out_of = [&](int64_t b) { return out + (b * heads + kh * group) * dim; };
+          int64_t j = runs[r];
+          // Sequences on one prefix two at a time (their prefix's K/V rows read once), where the
+          // kernel exists and they share more than a block of keys.
+          for (; pair_fn != nullptr && j + 1 < runs[r + 1] && shared[j] >= kPairMinShared; j += 2) {
+            const int64_t a = ord[j], b = ord[j + 1];
+            const uint16_t* qs[2] = {q_of(a), q_of(b)};
+            const int64_t* slots[2] = {kv_indices + a * width, kv_indices + b * width};
+            const int64_t lens[2] = {seq_lens[a], seq_lens[b]};
+            uint16_t* outs[2] = {out_of(a), out_of(b)};
+            pair_fn(qs, q_stride_h, kb, vb, slots, lens, shared[j], row, scale, outs, scores);
+          }
+          for (; j < runs[r + 1]; ++j) {
+            const int64_t b = ord[j];
+            item_fn(q_of(b), q_stride_h, kb, vb, kv_indices + b * width, seq_lens[b], row, scale, out_of(b), scores);
+          }
+        }
       });
       return;
     }
