@@ -4,12 +4,6 @@ first use) with plain-torch fallbacks that compute the same thing (`cpu_ops`).""
 import os
 import sys
 
-# How long an idle OpenMP worker spins before it sleeps, read once when torch loads libgomp.
-# libgomp's default (300,000 polls, milliseconds) keeps the workers of torch's ops spinning on
-# the cores that the kernels' own pool (csrc/work_pool.h) computes on next: a batch-1 decode step
-# of the default model took 1.5-2x as long. 1,000 polls is a few microseconds, after which an idle
-# worker sleeps. Set before torch is first imported (the `workers` and `cluster` packages import
-# this one first); a value the user set is kept.
 _WAIT_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
@@ -26,4 +20,11 @@ def _openmp_loaded() -> bool:
 # default. The CPU engine warns (measured: batch-8 decode steps of the default model 18-19 ms
 # against 13-14 ms).
 OPENMP_SPIN_UNSET = not any(v in os.environ for v in _WAIT_SETTINGS) and _openmp_loaded()
+
+# How long an idle OpenMP worker spins before it sleeps, read once when torch loads libgomp.
+# libgomp's default (300,000 polls, milliseconds) keeps the workers of torch's ops spinning on
+# the cores that the kernels' own pool (csrc/work_pool.h) computes on next: a batch-1 decode step
+# of the default model took 1.5-2x as long. 1,000 polls is a few microseconds, after which an idle
+# worker sleeps. Set before torch is first imported (the `workers` and `cluster` packages import
+# this one first); a value the user set is kept.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")

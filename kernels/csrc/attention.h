@@ -102,10 +102,7 @@ inline DecodeUnits decode_units(const int64_t* kv_indices, int64_t width, const 
     for (int64_t j = u.runs[r]; j + 1 < u.runs[r + 1]; j += 2) {
       const int64_t a = u.order[j], b = u.order[j + 1], n = std::min(seq_lens[a], seq_lens[b]);
       const int64_t* ra = kv_indices + a * width;
-      const int64_t* rb = kv_indices + b * width;
-      int64_t k = 0;
-      while (k < n && ra[k] == rb[k]) ++k;
-      u.shared[j] = k;
+      u.shared[j] = std::mismatch(ra, ra + n, kv_indices + b * width).first - ra;
     }
   return u;
 }
@@ -146,7 +143,7 @@ void decode_attention_impl(const typename E::T* q, int64_t q_stride_t, int64_t q
           auto out_of = [&](int64_t b) { return out + (b * heads + kh * group) * dim; };
           int64_t j = runs[r];
           // Sequences on one prefix two at a time (their prefix's K/V rows read once), where the
-          // kernel exists and they share more than a block of keys.
+          // kernel exists and they share at least kPairMinShared keys.
           for (; pair_fn != nullptr && j + 1 < runs[r + 1] && shared[j] >= kPairMinShared; j += 2) {
             const int64_t a = ord[j], b = ord[j + 1];
             const uint16_t* qs[2] = {q_of(a), q_of(b)};
