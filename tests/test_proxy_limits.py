@@ -230,12 +230,13 @@ def test_serve_transport_settings_leave_an_operators_own_alone():
     env = proxy.transport_environment(HTTPConfig(), {})
     assert env["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
     assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
     # a body up to the proxy's limit fits one gRPC message to the ingress, never under Ray's 4 MiB
     big = proxy.transport_environment(HTTPConfig(max_request_bytes=1 << 30), {})
     assert int(big[proxy.GRPC_MESSAGE_ENV]) >= (1 << 30) + proxy.GRPC_MESSAGE_MARGIN
     small = proxy.transport_environment(HTTPConfig(max_request_bytes=1000), {})
     assert int(small[proxy.GRPC_MESSAGE_ENV]) == proxy.GRPC_MESSAGE_MIN > 4 << 20
-    mine = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", proxy.GRPC_MESSAGE_ENV: "123"}
+    mine = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", proxy.GRPC_MESSAGE_ENV: "123", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
     assert set(proxy.transport_environment(HTTPConfig(), mine)) == {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"}
 
 
