@@ -56,7 +56,13 @@ class EngineConfig:
     # A prefill step also carries every running decode (one token each, out of the prefill's token
     # budget): decodes never wait behind a prefill, and one forward reads the weights for both. Off
     # by default: a forward that fails fails every sequence of its step, and a new prompt's first
-    # chunk then shares its step with the running decodes instead of running alone.
+    # chunk then shares its step with the running decodes instead of running alone. And the ITL
+    # bound costs throughput on CPU, where a prefill token costs as much as a few decode steps'
+    # share of the weights: closed loop of 8, offline, the shared-prompt workload took 6.6-6.9 s
+    # mixed at the ratio below against 5.1 unmixed (171 steps against 139: prompts advanced ~70
+    # tokens a step, their TTFT grew, and fewer sequences decoded at a time, 6.6 against 8), the
+    # unrelated-prompt workload 9.8-10.6 against 8.1-8.2; mixed with the whole chunk took what
+    # unmixed took (5.2, 8.2 s) and bounds nothing.
     enable_mixed_chunk: bool = False
     # A mixed step carries as many prefill tokens as keep its time near this many decode steps'
     # (learned from the steps run, engine/step_cost.py), within the chunk size; <= 1: the chunk.
