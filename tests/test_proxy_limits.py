@@ -236,7 +236,11 @@ def test_serve_transport_settings_leave_an_operators_own_alone():
     assert int(big[proxy.GRPC_MESSAGE_ENV]) >= (1 << 30) + proxy.GRPC_MESSAGE_MARGIN
     small = proxy.transport_environment(HTTPConfig(max_request_bytes=1000), {})
     assert int(small[proxy.GRPC_MESSAGE_ENV]) == proxy.GRPC_MESSAGE_MIN > 4 << 20
-    mine = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", proxy.GRPC_MESSAGE_ENV: "123", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+    mine = {
+        "RAY_SERVE_USE_GRPC_BY_DEFAULT": "0",
+        proxy.GRPC_MESSAGE_ENV: "123",
+        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
+    }
     assert set(proxy.transport_environment(HTTPConfig(), mine)) == {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"}
 
 
