@@ -22,6 +22,8 @@ namespace radixserve {
 namespace {
 
 constexpr int64_t kScaleBytes = sizeof(float);
+// Keys ahead whose rows are prefetched (into L1: this kernel is bound by its arithmetic).
+constexpr int64_t kInt8PrefetchKeys = 16;
 
 template <typename E>
 inline void quantize_row_int8(const typename E::T* x, int64_t dim, int8_t* dst) {
@@ -91,7 +93,7 @@ void decode_item_int8(const uint16_t* q, int64_t q_stride_h, const int8_t* k_buf
   float* sc = scores.data();
   int64_t l = 0;
   for (; l + 4 <= len; l += 4) {
-    for (int64_t a = l + kPrefetchKeys; a < std::min(l + kPrefetchKeys + 4, len); ++a)
+    for (int64_t a = l + kInt8PrefetchKeys; a < std::min(l + kInt8PrefetchKeys + 4, len); ++a)
       _mm_prefetch(reinterpret_cast<const char*>(k_buf + slots[a] * row), _MM_HINT_T0);
     const int8_t* k0 = k_buf + slots[l] * row;
     const int8_t* k1 = k_buf + slots[l + 1] * row;
@@ -119,8 +121,8 @@ void decode_item_int8(const uint16_t* q, int64_t q_stride_h, const int8_t* k_buf
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < len; ++i) {
-    if (i + kPrefetchKeys < len) {
-      const char* p = reinterpret_cast<const char*>(v_buf + slots[i + kPrefetchKeys] * row);
+    if (i + kInt8PrefetchKeys < len) {
+      const char* p = reinterpret_cast<const char*>(v_buf + slots[i + kInt8PrefetchKeys] * row);
       for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
     }
     const int8_t* vr = v_buf + slots[i] * row;
