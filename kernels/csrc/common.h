@@ -18,7 +18,18 @@
 
 #include "work_pool.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace radixserve {
+
+#if defined(__AVX512F__)
+// The hint of the streaming kernels' software prefetches (the decode GEMM, decode attention, the
+// quantized strips): into L2. Into L1 (_MM_HINT_T0), L1's few miss buffers bound the lines in
+// flight. An enum in GCC's headers, an int in clang's.
+constexpr auto kStreamPrefetch = _MM_HINT_T1;
+#endif
 
 // Element access as float. The bf16 conversions are the bit operations torch uses (round to
 // nearest even), written so that `omp simd` loops vectorize them.

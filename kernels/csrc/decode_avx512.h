@@ -49,7 +49,7 @@ constexpr int64_t kPrefetchKeys = 64;
 
 inline void prefetch_row(const uint16_t* buf, int64_t slot, int64_t row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(buf + slot * row);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, kStreamPrefetch);
 }
 
 // Scores of the G query heads of each of M sequences against keys [l0, l1), each key row read once

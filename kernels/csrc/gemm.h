@@ -33,7 +33,7 @@ namespace {
 constexpr int64_t kStrip = 16;     // output columns per packed strip (one zmm of float32)
 constexpr int64_t kRowTile = 16;   // rows of x accumulated in registers per pass over a strip
 constexpr int64_t kRowChunk = 128; // rows per parallel pass (keeps that slice of x cache-resident)
-// Software prefetch this many k pairs (64-byte lines) ahead, into L2 (kPrefetchHint): the strips of
+// Software prefetch this many k pairs (64-byte lines) ahead, into L2 (kStreamPrefetch): the strips of
 // a chunk lie one after another, so the stream runs on into the next strip. Into L1 (_MM_HINT_T0),
 // the lines in flight are bounded by L1's few miss buffers: the default model's decode GEMMs (all
 // 30 layers and the LM head at 8 rows, one call each) read their 269 MB at ~22 GB/s that way and at
@@ -42,7 +42,6 @@ constexpr int64_t kRowChunk = 128; // rows per parallel pass (keeps that slice o
 // change (M = 528: 360-367 ms against 364-395). Prefetching past the end of the weight is harmless:
 // a prefetch never faults.
 constexpr int64_t kPrefetchPairs = 128;
-constexpr auto kPrefetchHint = _MM_HINT_T1;  // an enum in GCC's headers, an int in clang's
 
 // One strip for `MT` rows. Fewer rows leave the FMA pipeline idle on one accumulator's latency,
 // so small tiles split K into KC independent chains and add them at the end.
@@ -58,7 +57,7 @@ inline void strip_tile(const int32_t* xq, const uint16_t* wp, int64_t pairs, con
   for (; p + KC <= pairs; p += KC) {
 #pragma GCC unroll 8
     for (int c = 0; c < KC; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (p + c + kPrefetchPairs) * 2 * kStrip), kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (p + c + kPrefetchPairs) * 2 * kStrip), kStreamPrefetch);
       const __m512bh w = (__m512bh)_mm512_loadu_si512(wp + (p + c) * 2 * kStrip);
 #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m)
@@ -95,8 +94,8 @@ inline void strip_pair_tile(const int32_t* xq, const uint16_t* wp0, const uint16
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(wp0 + (p + kPrefetchPairs) * 2 * kStrip), kPrefetchHint);
-    _mm_prefetch(reinterpret_cast<const char*>(wp1 + (p + kPrefetchPairs) * 2 * kStrip), kPrefetchHint);
+    _mm_prefetch(reinterpret_cast<const char*>(wp0 + (p + kPrefetchPairs) * 2 * kStrip), kStreamPrefetch);
+    _mm_prefetch(reinterpret_cast<const char*>(wp1 + (p + kPrefetchPairs) * 2 * kStrip), kStreamPrefetch);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp0 + p * 2 * kStrip);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp1 + p * 2 * kStrip);
 #pragma GCC unroll 8

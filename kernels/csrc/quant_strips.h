@@ -175,7 +175,7 @@ inline void strip_kernel(const uint8_t* data, int64_t groups, int64_t group, con
     if constexpr (BITS == 4) {
       const uint8_t* run = data + g * (group / 8) * 64;
       for (int64_t u = 0; u < group / 8; ++u, run += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(run + kStripPrefetch), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(run + kStripPrefetch), kStreamPrefetch);
         const __m512i v = _mm512_loadu_si512(run);
         const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
         const __m512bh z[4] = {(__m512bh)_mm512_unpacklo_epi8(lo, c43), (__m512bh)_mm512_unpackhi_epi8(lo, c43),
@@ -190,7 +190,7 @@ inline void strip_kernel(const uint8_t* data, int64_t groups, int64_t group, con
     } else {
       const auto* w = reinterpret_cast<const int8_t*>(data) + g * pairs * 32;
       for (int64_t p = 0; p < pairs; ++p, w += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + kStripPrefetch), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + kStripPrefetch), kStreamPrefetch);
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
         const __m512 hi =
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
