@@ -28,11 +28,9 @@ test: setup
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
 
-$(LINT_ROOT)/radixserve:
+lint: setup
 	mkdir -p $(LINT_ROOT)/radixserve
 	for d in cluster router workers kernels lang; do ln -sfn ../../../$$d $(LINT_ROOT)/radixserve/$$d; done
-
-lint: setup $(LINT_ROOT)/radixserve
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	cd $(LINT_ROOT) && MYPYPATH=. ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \

@@ -71,9 +71,13 @@ def native_ops() -> Any:  # the extension module, or None
         return None
 
 
+def extensions_dir() -> Path:
+    """Where the kernels are built: torch's extension cache."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+
+
 def _build_directory(name: str) -> Path:
-    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    build = Path(base) / name
+    build = extensions_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     return build
 

@@ -121,7 +121,7 @@ say "python: $PY ($VERSIONS)"
 
 # The installed names (radixserve.kernels, ...) over this checkout, without installing it.
 mkdir -p build/lint/radixserve
-for d in cluster router workers kernels; do ln -sfn "../../../$d" "build/lint/radixserve/$d"; done
+for d in cluster router workers kernels lang; do ln -sfn "../../../$d" "build/lint/radixserve/$d"; done
 export PYTHONPATH="$ROOT/build/lint:$ROOT"
 unset TRITON_INTERPRET  # inherited, it would make triton interpret the GPU runs too
 if [[ $DRY_RUN == 1 ]]; then export GPU_CHECK_AS_GPU_HOST=1; else unset GPU_CHECK_AS_GPU_HOST; fi
