@@ -20,7 +20,7 @@ import ray
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from radixserve.cluster.autoscaling import deployment_autoscaling
+from radixserve.cluster.autoscaling import DRAIN_POLL_S, deployment_autoscaling
 from radixserve.cluster.config import TP_PLACEMENTS, ServerArgs
 from radixserve.router.frontend.ingress import IngressDeployment
 from radixserve.router.routing.request_router import REQUEST_ROUTER_CLASS
@@ -168,6 +168,9 @@ def build(args: ServerArgs) -> Application:
         num_replicas=args.deployment.ingress_replicas,
         max_ongoing_requests=args.deployment.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.deployment.ingress_num_cpus},
+        # An ingress that stops (shutdown, update, scale-down) counts its streams in flight as
+        # often as the engine replicas do: Serve's 2 s default kept each stop waiting that long.
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
     )
     if args.deployment.pd:
         prefill = engine_deployment(args, Role.PREFILL)

@@ -140,3 +140,11 @@ def test_latency_targets_reach_each_pools_policy():
         kwargs = deployment_autoscaling(role, args, 1)["autoscaling_config"]["policy"]["policy_kwargs"]
         assert (kwargs["role"], kwargs["ttft_s"], kwargs["itl_s"]) == (role, 1.5, 0.05)
     assert ServerArgs.from_dict(args.to_dict()) == args
+
+
+def test_the_ingress_counts_its_streams_as_often_as_the_engine_replicas_when_it_stops():
+    from radixserve.cluster.app import build
+
+    ingress = build(ServerArgs.from_dict({}))._bound_deployment
+    assert ingress.name == "Ingress"
+    assert ingress._deployment_config.graceful_shutdown_wait_loop_s == DRAIN["graceful_shutdown_wait_loop_s"]
