@@ -178,6 +178,7 @@ def summarize(results: list[Result], duration: float, model: str) -> dict[str, A
         "e2e_ms": percentiles([r.e2e for r in ok]),
         # per request, in the order sent: prompt, cached and output tokens (for the floor)
         "requests": [[r.prompt_tokens, r.cached_tokens, r.completion_tokens] for r in results],
+        "ttft_s": [r.ttft if r.ok else None for r in results],  # per request, in the order sent
     }
 
 

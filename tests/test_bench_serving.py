@@ -59,6 +59,7 @@ def test_summary_counts_usage_and_cache_hit_rate():
     assert s["cache_hit_rate"] == 0.4
     assert s["tpot_ms"]["mean"] == pytest.approx(100.0)  # (0.5 - 0.1) / 4, the 1-token one excluded
     assert s["itl_ms"]["median"] == pytest.approx(100.0)
+    assert s["ttft_s"] == [0.1, 0.2, None]  # per request in the order sent, for the output file
 
 
 def test_sse_lines():
