@@ -26,7 +26,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
+# Resolved: the same sources reached through a symlinked package (gpu_check.sh's build/lint) must not
+# read as other files to the build, which would then compile them again over the same name.
+_CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCE = _CSRC / "cpu_ops.cpp"  # includes the other files of csrc/
 # -fno-trapping-math lets float->int conversions (the exp polynomial) vectorize; results unchanged.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]

@@ -158,9 +158,10 @@ def test_check_script_names_a_driver_too_old_for_pypi_torch_in_one_line(tmp_path
 def test_check_script_dry_run(tmp_path):
     """Every step of the script on CPU, "auto" resolved as on a one-GPU host; of the test files,
     a few tests (the suite runs them all): one builds its reference engines on the cpu backend
-    (left at "auto" they would ask for the GPU), one needs two GPUs and skips. The script builds
-    the CPU kernels into the suite's own extension cache (same Python, same torch), not into a
-    fresh folder of its own: on a clean clone that second build took a minute of the suite."""
+    (left at "auto" they would ask for the GPU), one needs two GPUs and skips. The script loads
+    the CPU kernels from the suite's own extension cache (same Python, same torch, and the same
+    sources though it reaches them through build/lint's links), not from a fresh folder of its own:
+    on a clean clone that second build took a minute of the suite."""
     tests = [
         "test_splits_are_powers_of_two_bounded_by_length",
         "test_torch_backend_equals_the_cpu_backend",
@@ -176,6 +177,9 @@ def test_check_script_dry_run(tmp_path):
         TORCH_EXTENSIONS_DIR=str(cpu_ops.extensions_dir()),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The kernels' build still names the sources by their real path, as this suite's processes do.
+    ninja = (Path(cpu_ops.native_ops().__file__).parent / "build.ninja").read_text()
+    assert f"compile {cpu_ops._SOURCE}" in ninja and "build/lint" not in ninja
     out = proc.stdout
     assert "needs 2 CUDA GPUs; torch.cuda.device_count() is 1" in out
     assert re.search(r"^1 passed, \d+ deselected", out, re.M)  # the triton tests
