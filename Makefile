@@ -4,7 +4,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.installed
-# Linters that walk packages need the installed names on disk: radixserve/<folder> links.
+# Linters that walk packages need the installed names on disk: radixserve/<folder> links, one per
+# entry of pyproject.toml's [tool.setuptools.package-dir] (load_tests/package_links.py).
 LINT_ROOT := build/lint
 
 .PHONY: setup serve test test-fast lint bench
@@ -29,12 +30,10 @@ test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
 
 lint: setup
-	mkdir -p $(LINT_ROOT)/radixserve
-	for d in cluster router workers kernels lang; do ln -sfn ../../../$$d $(LINT_ROOT)/radixserve/$$d; done
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	cd $(LINT_ROOT) && MYPYPATH=. ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
-		-p radixserve.cluster -p radixserve.router -p radixserve.workers -p radixserve.kernels -p radixserve.lang
+	packages=$$($(VENV)/bin/python load_tests/package_links.py $(LINT_ROOT)) && cd $(LINT_ROOT) && \
+		MYPYPATH=. ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml $$(printf -- '-p %s ' $$packages)
 	PYTHONPATH=$(LINT_ROOT) $(VENV)/bin/lint-imports pyproject.toml
 
 bench: setup

@@ -120,8 +120,7 @@ fi
 say "python: $PY ($VERSIONS)"
 
 # The installed names (radixserve.kernels, ...) over this checkout, without installing it.
-mkdir -p build/lint/radixserve
-for d in cluster router workers kernels lang; do ln -sfn "../../../$d" "build/lint/radixserve/$d"; done
+"$PY" load_tests/package_links.py build/lint >/dev/null || die "could not link the packages into build/lint"
 export PYTHONPATH="$ROOT/build/lint:$ROOT"
 unset TRITON_INTERPRET  # inherited, it would make triton interpret the GPU runs too
 if [[ $DRY_RUN == 1 ]]; then export GPU_CHECK_AS_GPU_HOST=1; else unset GPU_CHECK_AS_GPU_HOST; fi

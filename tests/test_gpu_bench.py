@@ -267,3 +267,20 @@ def test_check_script_summary_of_a_gpu_run(tmp_path):
     lines = _run([*args, "0", "580.95.05", "1"]).stdout.splitlines()
     assert f"  kv nccl      skipped    20  {refused}" in lines
     assert f"  NCCL KV transfer             skipped: {refused}" in lines
+
+
+def test_package_links_follow_pyproject(tmp_path):
+    """build/lint (mypy, import-linter, gpu_check.sh) links every package that pyproject.toml maps to
+    a folder, replaces a stale link, and leaves correct ones as they are."""
+    import tomllib
+
+    from load_tests import package_links
+
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    stale = tmp_path / "radixserve" / "lang"
+    stale.parent.mkdir(parents=True)
+    stale.symlink_to(tmp_path)
+    assert package_links.link(tmp_path) == sorted(mapping)
+    for name, folder in mapping.items():
+        assert tmp_path.joinpath(*name.split(".")).resolve() == (ROOT / folder).resolve()
+    assert package_links.link(tmp_path) == sorted(mapping)

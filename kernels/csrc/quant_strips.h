@@ -144,7 +144,7 @@ inline torch::Tensor quant_strip_unpack(const torch::Tensor& data, int64_t n, in
 constexpr int64_t kStripRows = 16;
 // Bytes of the strip read ahead by software prefetch, into L2 (as gemm.h's, for the same reason).
 // Batch-1 decode of the default model: int8 171-174 tok/s and gguf 198-209 against 148-150 and
-// 176-185 with 2 KB ahead into L1, alternating runs; batch 16 (bound by the unpacking) unchanged.
+// 176-185 with 2 KB ahead into L1, alternating runs; batch 16 (bound by its arithmetic) unchanged.
 constexpr int64_t kStripPrefetch = 8192;
 
 // One strip for MT rows of x. xq: the rows' k pairs interleaved by row (gemm.h's interleave_rows,
