@@ -23,7 +23,8 @@ dequantized in torch.
 
 For bf16 activations on AVX512-BF16 CPUs a `StripTensor` holds the same integers, scales and
 offsets in strips of 16 rows (csrc/quant_strips.h), for a kernel that serves many rows of x per
-read of the weight, as the packed bf16 GEMM does.
+read of the weight, as the packed bf16 GEMM does; with AVX-512 VNNI it also takes int8
+activations (below), as integers in the same layout.
 
 Optionally (`int8_activations`, the engine's `quantized_activations="int8"`), decode rows of x are
 rounded to int8 per block of 32 and multiplied with the weights as integers, as llama.cpp does:
@@ -256,14 +257,16 @@ class StripTensor:
     ) -> torch.Tensor:
         """x [..., K] @ W^T (+ bias float32 [N]) -> [..., N] in x's dtype: bf16 x of fewer than
         STRIP_DEQUANT_ROWS rows on the strip kernel; more rows (prefill), or another dtype,
-        dequantize for torch's GEMM."""
-        if int8_activations:
-            raise ValueError("strips multiply bf16 rows of x; unpack for int8 activations")
+        dequantize for torch's GEMM. `int8_activations` (AVX-512 VNNI, `strips_int8_available`):
+        those rows rounded to int8 per block of 32 and multiplied as integers, where the group is
+        a multiple of 32 (in bf16 otherwise)."""
+        if int8_activations and not strips_int8_available():
+            raise ValueError("strips multiply int8 rows of x only with AVX-512 VNNI; unpack them")
         x2 = x.reshape(-1, x.shape[-1])
         ops = cpu_ops.native_ops()
         if x.dtype == torch.bfloat16 and x2.device.type == "cpu" and x2.shape[0] < STRIP_DEQUANT_ROWS:
             y = ops.quant_strip_linear(
-                x2, self.data, self.scale, self.offset, self.n, self.group, self.bits, bias
+                x2, self.data, self.scale, self.offset, self.n, self.group, self.bits, bias, int8_activations
             )
         else:
             b = None if bias is None else bias.to(x.dtype)
@@ -275,6 +278,12 @@ def strips_available() -> bool:
     """Whether StripTensor's kernel runs here (the CPU kernels on an AVX512-BF16 CPU)."""
     ops = cpu_ops.native_ops()
     return ops is not None and bool(ops.quant_strips_available())
+
+
+def strips_int8_available() -> bool:
+    """Whether StripTensor multiplies int8 rows of x as integers here (AVX-512 VNNI)."""
+    ops = cpu_ops.native_ops()
+    return strips_available() and ops is not None and bool(ops.quant_strips_i8_available())
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:

@@ -154,7 +154,8 @@ def crossover() -> None:
 
 def strips_crossover(rounds: int = 20) -> None:
     """bf16 rows of x on an AVX512-BF16 CPU: the row-layout kernel, the strip kernel
-    (quant_ops.StripTensor), the strips dequantized + torch's GEMM, and the packed bf16 GEMM on the
+    (quant_ops.StripTensor), with int8 activations (AVX-512 VNNI), the strips dequantized + torch's
+    GEMM, and the packed bf16 GEMM on the
     dequantized weight, per row count, on the default model's projection shapes (Q4_1: 4 bits,
     group 32, float16 scale and offset; the LM head Q8_0). Best of `rounds`; where the strips meet
     dequantize + GEMM sets quant_ops.STRIP_DEQUANT_ROWS."""
@@ -162,6 +163,7 @@ def strips_crossover(rounds: int = 20) -> None:
     if not quant_ops.strips_available() or not cpu_ops.gemm_available(torch.bfloat16, torch.device("cpu")):
         raise SystemExit("the strips need the CPU extension on an AVX512-BF16 CPU")
     g = torch.Generator().manual_seed(0)
+    int8 = quant_ops.strips_int8_available()
 
     def q4(n: int, k: int) -> QuantTensor:
         values = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -200,12 +202,14 @@ def strips_crossover(rounds: int = 20) -> None:
             times = [
                 best(qt.linear, x, None, sys.maxsize),  # the row layout's kernel
                 best(ops.quant_strip_linear, x, *args),
+                best(ops.quant_strip_linear, x, *args, int8) if int8 else float("nan"),
                 best(dequant_gemm, x, strips),
                 best(ops.packed_linear, x, packed, qt.n, None),
             ]
             print(
                 f"{label:10s} N={qt.n:5d} K={qt.k:4d} rows={rows:3d}: rows {times[0]:8.0f} us  "
-                f"strips {times[1]:8.0f} us  dequant+gemm {times[2]:8.0f} us  packed bf16 {times[3]:8.0f} us"
+                f"strips {times[1]:8.0f} us  strips int8 x {times[2]:8.0f} us  "
+                f"dequant+gemm {times[3]:8.0f} us  packed bf16 {times[4]:8.0f} us"
             )
 
 
@@ -260,7 +264,12 @@ def main() -> None:
             "tokens": r.greedy(prompts, 32)[0],
         }
     base = result["none"]
-    bf16_bytes = sum(p.numel() for p in ref.model.parameters()) * 2
+    # The checkpoint's weights in bf16: a tied LM head is the embedding's table (the reference
+    # holds a packed copy of it for the GEMM, which is no weight of the checkpoint).
+    weights = sum(p.numel() for n, p in ref.model.named_parameters() if not n.startswith("lm_head."))
+    if not ref.config.tie_word_embeddings:
+        weights += sum(p.numel() for n, p in ref.model.named_parameters() if n.startswith("lm_head."))
+    bf16_bytes = weights * 2
     print(f"reference: the model in {ref.config.dtype} (dequantized from the file for a GGUF model)")
     print(f"{'':16s}" + "".join(f"{m:>12s}{'ratio':>8s}" for m in modes))
     rows = [

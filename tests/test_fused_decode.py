@@ -1,6 +1,6 @@
 """Decode steps with the decoder layers in one native call give bitwise the modules' logits (packed
 bf16 weights, and the default model's GGUF blocks in bf16 (in strips) and float32, with float and
-int8 activations), and the fused path stays off wherever it would not run the modules' own kernels."""
+int8 activations in each), and the fused path stays off wherever it would not run the modules' own kernels."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ FORMS = {
     "gguf bf16": dict(dtype="bfloat16", quantization="gguf"),
     "gguf float32": dict(dtype="float32", quantization="gguf"),
     "gguf int8 activations": dict(dtype="float32", quantization="gguf", quantized_activations="int8"),
+    "gguf bf16 int8 activations": dict(dtype="bfloat16", quantization="gguf", quantized_activations="int8"),
 }
+needs_strips_int8 = pytest.mark.skipif(
+    not quant_ops.strips_int8_available(), reason="int8 activations on strips need AVX-512 VNNI"
+)
 
 
 @pytest.fixture(
@@ -33,6 +37,7 @@ FORMS = {
         pytest.param("gguf bf16", marks=needs_native),
         pytest.param("gguf float32", marks=needs_native),
         pytest.param("gguf int8 activations", marks=needs_native),
+        pytest.param("gguf bf16 int8 activations", marks=needs_strips_int8),
     ],
 )
 def loaded(request):

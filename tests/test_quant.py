@@ -411,11 +411,12 @@ int8_x = pytest.mark.skipif(
 
 
 def _int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the integer path rounds it: int8 per block of 32, scale max|x| / 127."""
+    """x rounded as the integer path rounds it: int8 per block of 32, scale d = max|x| / 127,
+    q = round(x * (1 / d)) in float32 (to even at halves)."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127.0
-    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
-    return (q * scale).reshape(x.shape)
+    inv = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, 1.0), 0.0)
+    return (torch.round(blocks * inv) * scale).reshape(x.shape)
 
 
 @int8_x
@@ -551,8 +552,66 @@ def test_strips_dequantize_for_the_gemm_from_their_crossover():
     below = st.linear(x[: rows - 1], bias)  # the strip kernel
     ref = x[: rows - 1].double() @ quant_ops.dequantize_torch(qt).double().T + bias.double()
     assert _ulp_close(below, ref, 128)
-    with pytest.raises(ValueError, match="int8"):
-        st.linear(x[:2], int8_activations=True)
+    # int8 activations are for the strip kernel's rows; prefill-sized inputs dequantize as above
+    if quant_ops.strips_int8_available():
+        assert torch.equal(st.linear(x, bias, int8_activations=True), expected)
+    else:
+        with pytest.raises(ValueError, match="int8"):
+            st.linear(x[:2], int8_activations=True)
+
+
+strips_int8 = pytest.mark.skipif(
+    not quant_ops.strips_int8_available(), reason="int8 activations on strips need AVX-512 VNNI"
+)
+
+
+@strips_int8
+@pytest.mark.parametrize("layout", STRIP_LAYOUTS, ids=lambda v: "-".join(map(str, v)))
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_int8_activations_on_strips_multiply_the_rounded_rows_exactly(layout, rows):
+    bits, n, k, group, offset, half = layout
+    qt = random_quant(n, k, bits, group, offset, seed=rows, half=half)
+    st = quant_ops.StripTensor.pack(qt)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7 + rows)).to(torch.bfloat16)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(rows)) if rows % 2 else None
+    y = st.linear(x, bias, int8_activations=True)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    if group % 32:  # blocks of 32 do not tile the group: bf16 rows, as without int8 activations
+        assert torch.equal(y, st.linear(x, bias))
+        return
+    # the rounded rows times scale * q as integers, plus the offsets' share from x's exact sums:
+    # one bf16 rounding of that sum, in float64
+    scaled = quant_ops.dequantize_torch(QuantTensor(qt.qweight, qt.scale, None, group, bits)).double()
+    ref = _int8_rows(x).double() @ scaled.T + (0 if bias is None else bias.double())
+    if offset:
+        ref += x.double() @ (quant_ops.dequantize_torch(qt).double() - scaled).T
+    assert _ulp_close(y, ref, k)
+    # and each row as if alone: the batch beside it changes nothing
+    for i in (0, rows - 1):
+        assert torch.equal(st.linear(x[i : i + 1], bias, int8_activations=True), y[i : i + 1])
+
+
+@strips_int8
+def test_int8_activations_on_a_bf16_gguf_model_are_served_from_strips_as_it_computes_them(tiny_gguf):
+    from radixserve.workers import Engine
+
+    loaded = load_model(tiny_gguf, "bfloat16", quantization="gguf", quantized_activations="int8")
+    weights = [m.quantized for m in loaded.model.modules() if isinstance(m, Linear)]
+    assert weights and all(q.int8_activations for q in weights)
+    assert all(isinstance(p, quant_ops.StripTensor) for q in weights for p in q.parts)
+    expected = ModelDriver(loaded.model, loaded.config).greedy(PROMPTS, 8)
+    floats = load_model(tiny_gguf, "bfloat16", quantization="gguf")  # the rounding of x is there to see
+    rounded = ModelDriver(loaded.model, loaded.config).logits_of(PROMPTS[0])
+    assert not torch.equal(rounded, ModelDriver(floats.model, floats.config).logits_of(PROMPTS[0]))
+    engine = Engine(
+        tiny_gguf, dtype="bfloat16", quantization="gguf", quantized_activations="int8", max_total_tokens=2048
+    )
+    try:
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        got = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [o["output_ids"] for o in got] == expected
+    finally:
+        engine.shutdown()
 
 
 @strips
@@ -567,16 +626,20 @@ def test_only_layouts_the_strip_kernel_takes_are_packed():
 
 
 @strips
-def test_int8_activations_lay_strips_back_in_rows():
+def test_int8_activations_keep_strips_only_where_vnni_multiplies_them():
     qt = random_quant(32, 128, 4, 32, True, seed=9, half=True)
     weight = QuantWeight([qt], None)
     assert weight.use_strips_(True) and isinstance(weight.parts[0], quant_ops.StripTensor)
     assert sorted(n for n, _ in weight.named_buffers()) == ["t0_0", "t0_1", "t0_2"]
+    strip = weight.parts[0]
     weight.int8_activations = True
     part = weight.parts[0]
-    assert isinstance(part, QuantTensor) and all(
-        torch.equal(a, b) for a, b in zip(part.tensors(), qt.tensors())
-    )
+    if quant_ops.strips_int8_available():
+        assert part is strip
+    else:  # laid back in rows, exactly
+        assert isinstance(part, QuantTensor) and all(
+            torch.equal(a, b) for a, b in zip(part.tensors(), qt.tensors())
+        )
 
 
 @strips

@@ -24,7 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLinear>(m, "DecodeLinear", "a projection as a decode step runs it")
       .def(py::init([](torch::Tensor w, int64_t n, c10::optional<torch::Tensor> scale,
                        c10::optional<torch::Tensor> offset, int64_t group, int64_t bits, bool int8_x, bool strips) {
-             TORCH_CHECK(!(int8_x && strips), "strips multiply bf16 rows of x");
              return DecodeLinear{std::move(w), n, std::move(scale), std::move(offset), group, bits, int8_x, strips};
            }),
            py::arg("weight"), py::arg("n"), py::arg("scale") = py::none(), py::arg("offset") = py::none(),
@@ -105,7 +104,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("quant_strip_dequantize", &quant_strip_dequantize, "a weight in strips as a dense [N, K] tensor", release());
   m.def("quant_strips_available", &quant_strips_available, "whether quant_strip_linear was built (AVX512-BF16)");
-  m.def("quant_strip_linear", &quant_strip_linear, "bf16 x @ W^T (+ bias) for a weight in strips", release());
+  m.def("quant_strips_i8_available", &quant_strips_i8_available,
+        "whether quant_strip_linear has its integer path for int8_x (AVX-512 VNNI)");
+  m.def("quant_strip_linear", &quant_strip_linear, "bf16 x @ W^T (+ bias) for a weight in strips", py::arg("x"),
+        py::arg("data"), py::arg("scale"), py::arg("offset"), py::arg("n"), py::arg("group"), py::arg("bits"),
+        py::arg("bias"), py::arg("int8_x") = false, release());
   m.def("quant_dequantize", &quant_dequantize, "a group-quantized W (or some of its rows) as a dense tensor",
         release());
   m.def("lora_bgmv_", &lora_bgmv_, "y += each row's LoRA delta from its own adapter slot (decode rows)",

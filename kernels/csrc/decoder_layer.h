@@ -28,7 +28,7 @@ struct DecodeLinear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     const c10::optional<torch::Tensor> no_bias;
     if (!scale.has_value()) return packed_linear(x, weight, n, no_bias, false);
-    if (strips) return quant_strip_linear(x, weight, *scale, offset, n, group, bits, no_bias);
+    if (strips) return quant_strip_linear(x, weight, *scale, offset, n, group, bits, no_bias, int8_x);
     return quant_linear(x, weight, *scale, offset, group, bits, no_bias, int8_x);
   }
 };

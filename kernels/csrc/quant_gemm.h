@@ -20,8 +20,9 @@
 // bf16 dot products instead where the CPU has AVX512-BF16 (`rows_4bit_bf16`). Many rows (prefill)
 // dequantize the whole weight (`quant_dequantize`) for torch's GEMM: kernels/quant_ops.py picks by
 // the row count. A bf16 model on an AVX512-BF16 CPU keeps its projections in strips instead
-// (quant_strips.h), faster from one row of x up; this layout then serves int8 activations, layouts
-// the strips do not take, and float32 models.
+// (quant_strips.h), faster from one row of x up (with AVX-512 VNNI for int8 activations too); this
+// layout then serves int8 activations without VNNI, layouts the strips do not take, and float32
+// models.
 
 #include "common.h"
 

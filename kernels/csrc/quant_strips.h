@@ -26,7 +26,8 @@
 //
 // y[m, j] = sum_g scale[j, g] * (x_g . q_jg) + offset'[j, g] * sum(x_g), offset' = offset (8 bits)
 // or offset - 128 * scale (4 bits, where q_jg is 128 + q). Every product is exact in float32; the
-// sums differ from dequantize-then-matmul in float32 rounding only.
+// sums differ from dequantize-then-matmul in float32 rounding only. With int8 activations
+// (strip_kernel_i8, AVX-512 VNNI) the same strips are multiplied as integers.
 
 #include "common.h"
 #include "gemm.h"
@@ -252,6 +253,203 @@ inline void transpose16(__m512 r[16]) {
 
 #endif
 
+#if defined(RADIXSERVE_QUANT_STRIPS) && defined(__AVX512VNNI__)
+#define RADIXSERVE_QUANT_STRIPS_I8 1
+
+// The integer path over strips (int8 activations, llama.cpp's arithmetic as quant_gemm.h's
+// scaled_dot_i8, in the strip layout): each row of x rounded to int8 per block of 32 (x ~ xq *
+// xs[b]), the weights multiplied with it as integers by vpdpbusd, four products a 32-bit lane, one
+// lane a row of the strip, against four k columns of x broadcast as one int32. Twice bf16's
+// products per instruction; a block's sum is scaled once per row, xs[b] * scale_g.
+//   4 bits: a run's 64 bytes (8 k columns) give, after the nibble masks, one in-lane byte shuffle
+//     each into the strip's 16 rows of columns k0 .. k0 + 3 and k0 + 4 .. k0 + 7 (unsigned 0..15,
+//     the instruction's unsigned operand; the offsets' term uses the exact sum of x as above).
+//   8 bits: two pairs' 64 bytes, their words interleaved by row (vpermw) into 16 rows of four
+//     columns, made unsigned by + 128 (xor 0x80); each row's sum starts at -128 * sum(xq_b),
+//     which that adds.
+// Rows of x a pass at most: a block's int32 sums and the float accumulators, two registers a row,
+// stay in the 32 vector registers up to 12 rows (16 spilled ~50 vectors a block); a tile of 16 rows
+// of x with more than that goes in passes of equal size (16: two of 8).
+constexpr int64_t kStripRowsI8 = 12;
+
+// One strip for MT rows of x. xq4: the rows' int8 columns four at a time (an int32), interleaved
+// by row in tiles of 16 (16 entries a quad); xs: per block of 32, the rows' scales (16 entries a
+// block); xc (8 bits): per block, 128 * sum(xq) of each row as int32, likewise; xsg: per group, the
+// rows' exact sums of x (the offsets' term), likewise.
+template <int MT, int BITS, bool HALF>
+inline void strip_kernel_i8(const uint8_t* data, int64_t groups, int64_t group, const void* scale, const void* offset,
+                            const int32_t* xq4, const float* xs, const int32_t* xc, const float* xsg,
+                            const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
+  const __m512i mask = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // 4 bits: output byte 4r + c of a lane (row r of the lane's four, column c) from lane byte
+  // (c >= 2 ? 8 : 0) + 2r + c % 2 (the strip layout's order, top of this file).
+  const __m512i nibbles = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+  // 8 bits: output word 2j from word j (pair p, row j), 2j + 1 from word 16 + j (pair p + 1).
+  const __m512i words = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                          0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
+                                          0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
+  __m512 acc[MT];
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const auto load16 = [&](const void* base, int64_t g) {
+    if constexpr (HALF)
+      return _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + g * 16)));
+    else
+      return _mm512_loadu_ps(static_cast<const float*>(base) + g * 16);
+  };
+  const int64_t blocks = group / 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 s = load16(scale, g);
+    for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
+      __m512i t[MT];
+      const int32_t* xb = xq4 + b * 8 * 16;  // the block's 8 quads
+      if constexpr (BITS == 4) {
+#pragma GCC unroll 16
+        for (int m = 0; m < MT; ++m) t[m] = _mm512_setzero_si512();
+        const uint8_t* run = data + b * 4 * 64;
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u, run += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(run + kStripPrefetch), kStreamPrefetch);
+          const __m512i v = _mm512_loadu_si512(run);
+          const __m512i lo = _mm512_shuffle_epi8(_mm512_and_si512(v, mask), nibbles);
+          const __m512i hi = _mm512_shuffle_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), nibbles);
+#pragma GCC unroll 16
+          for (int m = 0; m < MT; ++m) {
+            t[m] = _mm512_dpbusd_epi32(t[m], lo, _mm512_set1_epi32(xb[(2 * u) * 16 + m]));
+            t[m] = _mm512_dpbusd_epi32(t[m], hi, _mm512_set1_epi32(xb[(2 * u + 1) * 16 + m]));
+          }
+        }
+      } else {
+#pragma GCC unroll 16
+        for (int m = 0; m < MT; ++m) t[m] = _mm512_set1_epi32(-xc[b * 16 + m]);
+        const uint8_t* w = data + b * 32 * 16;  // 16 pairs of 32 bytes
+#pragma GCC unroll 8
+        for (int qd = 0; qd < 8; ++qd, w += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + kStripPrefetch), kStreamPrefetch);
+          const __m512i v = _mm512_xor_si512(_mm512_permutexvar_epi16(words, _mm512_loadu_si512(w)), flip);
+#pragma GCC unroll 16
+          for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbusd_epi32(t[m], v, _mm512_set1_epi32(xb[qd * 16 + m]));
+        }
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), _mm512_mul_ps(s, _mm512_set1_ps(xs[b * 16 + m])), acc[m]);
+    }
+    if (offset) {
+      const __m512 o = load16(offset, g);
+#pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsg[g * 16 + m]), acc[m]);
+    }
+  }
+  const __mmask16 keep = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m)
+    _mm256_mask_storeu_epi16(y + m * ldy, keep, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv)));
+}
+
+using QuantStripI8Fn = void (*)(const uint8_t*, int64_t, int64_t, const void*, const void*, const int32_t*,
+                                const float*, const int32_t*, const float*, const float*, uint16_t*, int64_t, int64_t);
+
+template <int BITS, bool HALF, int... MTs>
+constexpr std::array<QuantStripI8Fn, sizeof...(MTs)> strip_kernel_i8_table(std::integer_sequence<int, MTs...>) {
+  return {&strip_kernel_i8<MTs + 1, BITS, HALF>...};
+}
+
+// [bits == 8][half][MT - 1]
+const std::array<std::array<std::array<QuantStripI8Fn, kStripRowsI8>, 2>, 2> kQuantStripI8Fns = {{
+    {strip_kernel_i8_table<4, false>(std::make_integer_sequence<int, kStripRowsI8>{}),
+     strip_kernel_i8_table<4, true>(std::make_integer_sequence<int, kStripRowsI8>{})},
+    {strip_kernel_i8_table<8, false>(std::make_integer_sequence<int, kStripRowsI8>{}),
+     strip_kernel_i8_table<8, true>(std::make_integer_sequence<int, kStripRowsI8>{})},
+}};
+
+namespace strip_detail {
+
+// A row of x (bf16; k a multiple of 32) rounded as quant_detail::quantize_row_i8 rounds it (d =
+// max|x_b| / 127, q = nearest of x * (1 / d), halves to even), 32 values a block in two vectors; per
+// block also 128 * sum(q) and the exact float32 sum of x.
+inline void quantize_bf16_row_i8(const uint16_t* x, int64_t k, int8_t* q, float* d, int32_t* qsum128,
+                                 float* xsum) {
+  const auto widen = [](const uint16_t* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const __m512 lo = widen(x + b * 32), hi = widen(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));  // MXCSR: to nearest even
+    const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtsepi32_epi8(ql));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
+    d[b] = scale;
+    qsum128[b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+    xsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  }
+}
+
+// quant_strip_linear's integer path (arguments checked there): x's rows rounded to int8 per block
+// of 32 and laid out for strip_kernel_i8 in tiles of 16 rows.
+inline torch::Tensor linear_i8(const uint16_t* xb, int64_t m, int64_t k, const torch::Tensor& data,
+                               const torch::Tensor& scale, const void* off, int64_t n, int64_t group, int64_t bits,
+                               bool half, const float* bp) {
+  const int64_t tiles = (m + 15) / 16, quads = k / 4, blocks = k / 32, groups = k / group, per_group = group / 32;
+  std::vector<int32_t> xq4(static_cast<size_t>(tiles * quads * 16), 0), xc(static_cast<size_t>(tiles * blocks * 16), 0);
+  std::vector<float> xs(static_cast<size_t>(tiles * blocks * 16), 0.0f), xsg(static_cast<size_t>(tiles * groups * 16), 0.0f);
+  parallel_for(0, m, 8, [&](int64_t lo, int64_t hi) {
+    std::vector<int8_t> q(static_cast<size_t>(k));
+    std::vector<float> qs(static_cast<size_t>(blocks)), sums(static_cast<size_t>(blocks));
+    std::vector<int32_t> qsum(static_cast<size_t>(blocks));
+    for (int64_t i = lo; i < hi; ++i) {
+      quantize_bf16_row_i8(xb + i * k, k, q.data(), qs.data(), qsum.data(), sums.data());
+      const int64_t t = i / 16, r = i % 16;
+      for (int64_t e = 0; e < quads; ++e) std::memcpy(&xq4[(t * quads + e) * 16 + r], &q[e * 4], 4);
+      for (int64_t b = 0; b < blocks; ++b) {
+        xc[(t * blocks + b) * 16 + r] = qsum[b];
+        xs[(t * blocks + b) * 16 + r] = qs[b];
+      }
+      if (off)
+        for (int64_t g = 0; g < groups; ++g) {
+          float sum = 0.0f;
+          for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) sum += sums[b];
+          xsg[(t * groups + g) * 16 + r] = sum;
+        }
+    }
+  });
+  torch::Tensor y = torch::empty({m, n}, data.options().dtype(at::kBFloat16));
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const auto* dp = static_cast<const uint8_t*>(data.data_ptr());
+  const int64_t strips = data.size(0), strip_bytes = data.numel() / strips;
+  const size_t sb = half ? 2 : 4;
+  const auto* sp = static_cast<const char*>(scale.data_ptr());
+  const auto* op = static_cast<const char*>(off);
+  const auto& fns = kQuantStripI8Fns[bits == 8][half];
+  parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t col = s * kStripCols, cols = std::min(kStripCols, n - col);
+      const void* ss = sp + s * groups * kStripCols * sb;
+      const void* os = op ? op + s * groups * kStripCols * sb : nullptr;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t tile_rows = std::min<int64_t>(16, m - t * 16);
+        const int64_t passes = (tile_rows + kStripRowsI8 - 1) / kStripRowsI8;
+        const int64_t pass = (tile_rows + passes - 1) / passes;
+        for (int64_t at = 0; at < tile_rows; at += pass) {
+          const int64_t rows = std::min(pass, tile_rows - at), r = t * 16 + at;
+          fns[rows - 1](dp + s * strip_bytes, groups, group, ss, os, xq4.data() + t * quads * 16 + at,
+                        xs.data() + t * blocks * 16 + at, xc.data() + t * blocks * 16 + at,
+                        xsg.data() + t * groups * 16 + at, bp ? bp + col : nullptr, yp + r * n + col, n, cols);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace strip_detail
+#endif
+
 // W from strips as a dense [N, K] tensor of `dtype` (float32 or bfloat16): the operand of torch's
 // GEMM for prefill-sized inputs (StripTensor.linear). Per strip and 16 columns: the 16 columns as
 // vectors over the strip's rows (the kernel's unpacking), scaled, then transposed into rows.
@@ -347,10 +545,20 @@ inline bool quant_strips_available() {
 #endif
 }
 
+inline bool quant_strips_i8_available() {
+#if defined(RADIXSERVE_QUANT_STRIPS_I8)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // y [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias float32 [N]), W in strips (quant_strip_pack).
+// int8_x: x rounded to int8 per block of 32 and multiplied as integers (strip_kernel_i8) where
+// this CPU has AVX-512 VNNI and the group is a multiple of 32; in bf16 otherwise.
 inline torch::Tensor quant_strip_linear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
                                         const c10::optional<torch::Tensor>& offset, int64_t n, int64_t group,
-                                        int64_t bits, const c10::optional<torch::Tensor>& bias) {
+                                        int64_t bits, const c10::optional<torch::Tensor>& bias, bool int8_x = false) {
 #if defined(RADIXSERVE_QUANT_STRIPS)
   strip_detail::check_data(data, bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16");
@@ -378,6 +586,9 @@ inline torch::Tensor quant_strip_linear(const torch::Tensor& x, const torch::Ten
   }
   const torch::Tensor xc = x.contiguous();
   const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+#if defined(RADIXSERVE_QUANT_STRIPS_I8)
+  if (int8_x && group % 32 == 0) return strip_detail::linear_i8(xb, m, k, data, scale, off, n, group, bits, half, bp);
+#endif
   // x as k pairs interleaved by row in tiles of 16 rows, and each row's sum per group likewise
   // (needed for the offsets' term: always at 4 bits).
   const int64_t tiles = (m + 15) / 16;

@@ -127,7 +127,7 @@ def _decode_linear(native: Any, m: Linear) -> tuple[Any, int] | None:
     part = q.parts[0]
     if isinstance(part, StripTensor):
         strips = native.DecodeLinear(
-            part.data, part.n, part.scale, part.offset, part.group, part.bits, strips=True
+            part.data, part.n, part.scale, part.offset, part.group, part.bits, q.int8_activations, strips=True
         )
         return strips, STRIP_DEQUANT_ROWS
     if not isinstance(part, QuantTensor) or part.qweight.device.type != "cpu":

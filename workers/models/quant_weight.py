@@ -26,6 +26,7 @@ from radixserve.kernels.quant_ops import (
     cat_rows,
     quantize_int8,
     strips_available,
+    strips_int8_available,
 )
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,8 @@ class QuantWeight(nn.Module):
     def int8_activations(self, on: bool) -> None:
         if on and any(isinstance(part, Fp8Tensor) for part in self.parts):
             raise ValueError("int8 activations multiply integer weights, not fp8 ones")
-        if on:
-            self.use_strips_(False)  # strips multiply bf16 rows only
+        if on and not strips_int8_available():
+            self.use_strips_(False)  # strips multiply int8 rows only with AVX-512 VNNI
         self._int8_activations = on
 
     def use_strips_(self, on: bool, shared: dict[int, StripTensor] | None = None) -> bool:
@@ -273,8 +274,8 @@ def weight_nbytes(model: nn.Module) -> int:
 
 
 def use_strips_(model: nn.Module) -> int:
-    """Lay every quantized projection of a bf16 `model` computing with float activations out in
-    strips (kernels/quant_ops.StripTensor) where their kernel runs (AVX512-BF16); an embedding
+    """Lay every quantized projection of a bf16 `model` out in strips (kernels/quant_ops.StripTensor)
+    where their kernel runs (AVX512-BF16; with int8 activations, AVX-512 VNNI too); an embedding
     table that is also the LM head's weight (tied) is replaced by the same strips, so one copy
     serves both. Returns how many projections changed."""
     from radixserve.workers.models.parallel_layers import VocabParallelEmbedding
@@ -284,7 +285,7 @@ def use_strips_(model: nn.Module) -> int:
     shared: dict[int, StripTensor] = {}
     count = 0
     for module in model.modules():
-        if isinstance(module, QuantWeight) and not module.int8_activations:
+        if isinstance(module, QuantWeight) and (not module.int8_activations or strips_int8_available()):
             count += module.use_strips_(True, shared)
     for module in model.modules():
         table = getattr(module, "quantized", None)
