@@ -5,6 +5,8 @@ float32; per-channel int8 quantized at load; GGUF's block formats repacked value
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -335,6 +337,28 @@ def tiny_gguf(tmp_path_factory):
         "token_embd": "Q4_0",
     }
     return make_tiny_gguf(root, hf, quant_types=types)
+
+
+def test_the_tensor_index_finds_what_ggufs_own_reader_finds(tiny_gguf):
+    import gguf
+    import numpy as np
+
+    from radixserve.workers.models.loader import default_gguf_path
+
+    for path in (default_gguf_path(), Path(tiny_gguf)):
+        reader = gguf.GGUFReader(str(path))
+        meta, tensors = gguf_weights.tensor_index(path)
+        assert meta["general.architecture"] == reader.fields["general.architecture"].contents()
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+        for ours, theirs in zip(tensors, reader.tensors):
+            assert ours.type_id == int(theirs.tensor_type) and ours.dims == tuple(map(int, theirs.shape))
+            assert (ours.offset, ours.nbytes) == (theirs.data_offset, theirs.n_bytes)
+            assert np.array_equal(
+                data[ours.offset : ours.offset + ours.nbytes], theirs.data.reshape(-1).view(np.uint8)
+            )
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_weights.tensor_index(Path(__file__))
 
 
 def test_a_gguf_model_computes_from_its_blocks_as_the_dequantized_model(tiny_gguf):
