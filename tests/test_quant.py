@@ -535,15 +535,21 @@ def test_strips_hold_the_quant_tensor_exactly(layout):
         assert torch.equal(st.dequantize(dtype), qt.dequantize(dtype))
 
 
+def _strip_case(layout, rows: int):
+    """A random weight of `layout` (STRIP_LAYOUTS) in strips, `rows` bf16 rows of x, a bias or None."""
+    bits, n, k, group, offset, half = layout
+    qt = random_quant(n, k, bits, group, offset, seed=rows, half=half)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7 + rows)).to(torch.bfloat16)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(rows)) if rows % 2 else None
+    return qt, quant_ops.StripTensor.pack(qt), x, bias
+
+
 @strips
 @pytest.mark.parametrize("layout", STRIP_LAYOUTS, ids=lambda v: "-".join(map(str, v)))
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
 def test_the_strip_kernel_rounds_the_exact_sum_once(layout, rows):
-    bits, n, k, group, offset, half = layout
-    qt = random_quant(n, k, bits, group, offset, seed=rows, half=half)
-    st = quant_ops.StripTensor.pack(qt)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7 + rows)).to(torch.bfloat16)
-    bias = torch.randn(n) if rows % 2 else None
+    qt, st, x, bias = _strip_case(layout, rows)
+    n, k = layout[1], layout[2]
     y = st.linear(x, bias)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
     ref = x.double() @ quant_ops.dequantize_torch(qt).double().T + (0 if bias is None else bias.double())
@@ -593,11 +599,8 @@ strips_int8 = pytest.mark.skipif(
 @pytest.mark.parametrize("layout", STRIP_LAYOUTS, ids=lambda v: "-".join(map(str, v)))
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
 def test_int8_activations_on_strips_multiply_the_rounded_rows_exactly(layout, rows):
-    bits, n, k, group, offset, half = layout
-    qt = random_quant(n, k, bits, group, offset, seed=rows, half=half)
-    st = quant_ops.StripTensor.pack(qt)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7 + rows)).to(torch.bfloat16)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(rows)) if rows % 2 else None
+    qt, st, x, bias = _strip_case(layout, rows)
+    bits, n, k, group, offset, _ = layout
     y = st.linear(x, bias, int8_activations=True)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
     if group % 32:  # blocks of 32 do not tile the group: bf16 rows, as without int8 activations

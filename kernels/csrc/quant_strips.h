@@ -148,6 +148,49 @@ constexpr int64_t kStripRows = 16;
 // 176-185 with 2 KB ahead into L1, alternating runs; batch 16 (bound by its arithmetic) unchanged.
 constexpr int64_t kStripPrefetch = 8192;
 
+// A group's 16 scales (or offsets) of a strip as float32, stored as float16 (HALF) or float32.
+template <bool HALF>
+inline __m512 load_group16(const void* base, int64_t g) {
+  if constexpr (HALF)
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + g * 16)));
+  else
+    return _mm512_loadu_ps(static_cast<const float*>(base) + g * 16);
+}
+
+// MT rows of a strip's 16 outputs (+ bias) rounded to bf16; the first `cols` of each stored.
+template <int MT>
+inline void store_strip_rows(const __m512* acc, const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
+  const __mmask16 keep = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m)
+    _mm256_mask_storeu_epi16(y + m * ldy, keep, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv)));
+}
+
+namespace strip_detail {
+
+// f(the strip's data, its scales, its offsets or nullptr, its first output column, its columns)
+// for every strip of a weight, the strips in parallel.
+template <typename F>
+inline void for_each_strip(const torch::Tensor& data, const torch::Tensor& scale, const void* offset, int64_t n,
+                           int64_t groups, bool half, const F& f) {
+  const auto* dp = static_cast<const uint8_t*>(data.data_ptr());
+  const int64_t strips = data.size(0), strip_bytes = data.numel() / strips;
+  const int64_t stride = groups * kStripCols * (half ? 2 : 4);  // bytes of a strip's scales
+  const auto* sp = static_cast<const char*>(scale.data_ptr());
+  const auto* op = static_cast<const char*>(offset);
+  parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t col = s * kStripCols;
+      f(dp + s * strip_bytes, static_cast<const void*>(sp + s * stride),
+        op ? static_cast<const void*>(op + s * stride) : nullptr, col, std::min(kStripCols, n - col));
+    }
+  });
+}
+
+}  // namespace strip_detail
+
 // One strip for MT rows of x. xq: the rows' k pairs interleaved by row (gemm.h's interleave_rows,
 // 16 entries a pair, the first of these rows at xq[0]); xsg: per group, the rows' sums of x over
 // it, 16 entries a group likewise. Each row sums a group's pairs in a chain of its own, scaled
@@ -160,13 +203,6 @@ inline void strip_kernel(const uint8_t* data, int64_t groups, int64_t group, con
   __m512 acc[MT];
 #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-  const auto load16 = [&](const void* base, int64_t g) {
-    if constexpr (HALF)
-      return _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + g * 16)));
-    else
-      return _mm512_loadu_ps(static_cast<const float*>(base) + g * 16);
-  };
   const int64_t pairs = group / 2;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 t[MT];
@@ -200,21 +236,17 @@ inline void strip_kernel(const uint8_t* data, int64_t groups, int64_t group, con
         for (int m = 0; m < MT; ++m) t[m] = _mm512_dpbf16_ps(t[m], z, (__m512bh)_mm512_set1_epi32(xg[p * 16 + m]));
       }
     }
-    const __m512 s = load16(scale, g);
+    const __m512 s = load_group16<HALF>(scale, g);
 #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(t[m], s, acc[m]);
     if (BITS == 4 || offset) {
-      const __m512 o = offset ? load16(offset, g) : _mm512_setzero_ps();
+      const __m512 o = offset ? load_group16<HALF>(offset, g) : _mm512_setzero_ps();
       const __m512 c = BITS == 4 ? _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), s, o) : o;
 #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsg[g * 16 + m]), acc[m]);
     }
   }
-  const __mmask16 keep = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int m = 0; m < MT; ++m)
-    _mm256_mask_storeu_epi16(y + m * ldy, keep, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv)));
+  store_strip_rows<MT>(acc, bias, y, ldy, cols);
 }
 
 using QuantStripFn = void (*)(const uint8_t*, int64_t, int64_t, const void*, const void*, const int32_t*, const float*,
@@ -291,16 +323,9 @@ inline void strip_kernel_i8(const uint8_t* data, int64_t groups, int64_t group, 
   __m512 acc[MT];
 #pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-  const auto load16 = [&](const void* base, int64_t g) {
-    if constexpr (HALF)
-      return _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + g * 16)));
-    else
-      return _mm512_loadu_ps(static_cast<const float*>(base) + g * 16);
-  };
   const int64_t blocks = group / 32;
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 s = load16(scale, g);
+    const __m512 s = load_group16<HALF>(scale, g);
     for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
       __m512i t[MT];
       const int32_t* xb = xq4 + b * 8 * 16;  // the block's 8 quads
@@ -337,16 +362,12 @@ inline void strip_kernel_i8(const uint8_t* data, int64_t groups, int64_t group, 
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), _mm512_mul_ps(s, _mm512_set1_ps(xs[b * 16 + m])), acc[m]);
     }
     if (offset) {
-      const __m512 o = load16(offset, g);
+      const __m512 o = load_group16<HALF>(offset, g);
 #pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsg[g * 16 + m]), acc[m]);
     }
   }
-  const __mmask16 keep = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int m = 0; m < MT; ++m)
-    _mm256_mask_storeu_epi16(y + m * ldy, keep, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv)));
+  store_strip_rows<MT>(acc, bias, y, ldy, cols);
 }
 
 using QuantStripI8Fn = void (*)(const uint8_t*, int64_t, int64_t, const void*, const void*, const int32_t*,
@@ -420,30 +441,22 @@ inline torch::Tensor linear_i8(const uint16_t* xb, int64_t m, int64_t k, const t
   });
   torch::Tensor y = torch::empty({m, n}, data.options().dtype(at::kBFloat16));
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const auto* dp = static_cast<const uint8_t*>(data.data_ptr());
-  const int64_t strips = data.size(0), strip_bytes = data.numel() / strips;
-  const size_t sb = half ? 2 : 4;
-  const auto* sp = static_cast<const char*>(scale.data_ptr());
-  const auto* op = static_cast<const char*>(off);
   const auto& fns = kQuantStripI8Fns[bits == 8][half];
-  parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t col = s * kStripCols, cols = std::min(kStripCols, n - col);
-      const void* ss = sp + s * groups * kStripCols * sb;
-      const void* os = op ? op + s * groups * kStripCols * sb : nullptr;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t tile_rows = std::min<int64_t>(16, m - t * 16);
-        const int64_t passes = (tile_rows + kStripRowsI8 - 1) / kStripRowsI8;
-        const int64_t pass = (tile_rows + passes - 1) / passes;
-        for (int64_t at = 0; at < tile_rows; at += pass) {
-          const int64_t rows = std::min(pass, tile_rows - at), r = t * 16 + at;
-          fns[rows - 1](dp + s * strip_bytes, groups, group, ss, os, xq4.data() + t * quads * 16 + at,
-                        xs.data() + t * blocks * 16 + at, xc.data() + t * blocks * 16 + at,
-                        xsg.data() + t * groups * 16 + at, bp ? bp + col : nullptr, yp + r * n + col, n, cols);
-        }
-      }
-    }
-  });
+  for_each_strip(data, scale, off, n, groups, half,
+                 [&](const uint8_t* strip, const void* ss, const void* os, int64_t col, int64_t cols) {
+                   for (int64_t t = 0; t < tiles; ++t) {
+                     const int64_t tile_rows = std::min<int64_t>(16, m - t * 16);
+                     const int64_t passes = (tile_rows + kStripRowsI8 - 1) / kStripRowsI8;
+                     const int64_t pass = (tile_rows + passes - 1) / passes;
+                     for (int64_t at = 0; at < tile_rows; at += pass) {
+                       const int64_t rows = std::min(pass, tile_rows - at), r = t * 16 + at;
+                       fns[rows - 1](strip, groups, group, ss, os, xq4.data() + t * quads * 16 + at,
+                                     xs.data() + t * blocks * 16 + at, xc.data() + t * blocks * 16 + at,
+                                     xsg.data() + t * groups * 16 + at, bp ? bp + col : nullptr, yp + r * n + col,
+                                     n, cols);
+                     }
+                   }
+                 });
   return y;
 }
 
@@ -609,26 +622,18 @@ inline torch::Tensor quant_strip_linear(const torch::Tensor& x, const torch::Ten
       }
   torch::Tensor y = torch::empty({m, n}, x.options());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const auto* dp = static_cast<const uint8_t*>(data.data_ptr());
-  const int64_t strip_bytes = data.numel() / strips;
-  const size_t sb = half ? 2 : 4;
-  const auto* sp = static_cast<const char*>(scale.data_ptr());
-  const auto* op = static_cast<const char*>(off);
   const auto& fns = kQuantStripFns[bits == 8][half];
-  parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t col = s * kStripCols, cols = std::min(kStripCols, n - col);
-      const void* ss = sp + s * groups * kStripCols * sb;
-      const void* os = op ? op + s * groups * kStripCols * sb : nullptr;
-      for (int64_t r = 0; r < m; r += kStripRows) {
-        const int64_t rows = std::min(kStripRows, m - r);
-        // Row r of x sits r % 16 entries into its tile of 16 rows.
-        fns[rows - 1](dp + s * strip_bytes, groups, group, ss, os, xq.data() + (r / 16) * pairs * 16 + r % 16,
-                      xsg.data() + (r / 16) * groups * 16 + r % 16, bp ? bp + col : nullptr, yp + r * n + col, n,
-                      cols);
-      }
-    }
-  });
+  strip_detail::for_each_strip(
+      data, scale, off, n, groups, half,
+      [&](const uint8_t* strip, const void* ss, const void* os, int64_t col, int64_t cols) {
+        for (int64_t r = 0; r < m; r += kStripRows) {
+          const int64_t rows = std::min(kStripRows, m - r);
+          // Row r of x sits r % 16 entries into its tile of 16 rows.
+          fns[rows - 1](strip, groups, group, ss, os, xq.data() + (r / 16) * pairs * 16 + r % 16,
+                        xsg.data() + (r / 16) * groups * 16 + r % 16, bp ? bp + col : nullptr, yp + r * n + col, n,
+                        cols);
+        }
+      });
   return y;
 #else
   TORCH_CHECK(false, "quant_strip_linear needs a CPU with AVX512-BF16 (and a build with -march for it)");
