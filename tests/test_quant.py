@@ -339,7 +339,7 @@ def tiny_gguf(tmp_path_factory):
     return make_tiny_gguf(root, hf, quant_types=types)
 
 
-def test_the_tensor_index_finds_what_ggufs_own_reader_finds(tiny_gguf):
+def test_the_tensor_index_finds_what_ggufs_own_reader_finds(tiny_gguf, tmp_path):
     import gguf
     import numpy as np
 
@@ -359,6 +359,10 @@ def test_the_tensor_index_finds_what_ggufs_own_reader_finds(tiny_gguf):
             )
     with pytest.raises(ValueError, match="not a GGUF file"):
         gguf_weights.tensor_index(Path(__file__))
+    big_endian = tmp_path / "big-endian.gguf"
+    big_endian.write_bytes(b"GGUF" + (3).to_bytes(4, "big") + bytes(16))
+    with pytest.raises(ValueError, match="version 50331648 is not read"):
+        gguf_weights.tensor_index(big_endian)
 
 
 def test_a_gguf_model_computes_from_its_blocks_as_the_dequantized_model(tiny_gguf):

@@ -256,8 +256,8 @@ def tensor_index(path: str | Path) -> tuple[dict[str, object], list[GGUFTensor]]
             raise ValueError(f"{path} is not a GGUF file")
         at = 4
         version, count, kv_count = take("I"), take("Q"), take("Q")
-        if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is not read (2 and up)")
+        if not 2 <= version <= 3:  # (a big-endian file's version reads as 3 << 24 here)
+            raise ValueError(f"{path}: GGUF version {version} is not read (2 and 3, little-endian)")
         meta: dict[str, object] = {}
         fmt = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
         for _ in range(kv_count):
